@@ -1,0 +1,78 @@
+"""Type stubs for ``zrs._core``, the Rust core of zrs (built from ``rust/zrs-py``)."""
+
+from collections.abc import Sequence
+from typing import Literal, final
+
+class ZrsError(RuntimeError):
+    """Raised for every error reported by the zrs core; the message says what to do."""
+
+@final
+class ParamInfo:
+    """Read-only snapshot of one registered parameter."""
+
+    @property
+    def ds_id(self) -> int: ...
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Full (unsharded) shape."""
+    @property
+    def numel(self) -> int: ...
+    @property
+    def padded_numel(self) -> int:
+        """``numel`` rounded up to a multiple of the world size."""
+    @property
+    def shard_numel(self) -> int:
+        """Elements each rank holds: ``padded_numel // world_size``."""
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def persistent(self) -> bool:
+        """Whether the gathered copy is kept between uses."""
+    @property
+    def requires_grad(self) -> bool: ...
+    @property
+    def status(self) -> Literal["partitioned", "in_flight", "available"]: ...
+    @property
+    def gathered_valid(self) -> bool:
+        """Whether the gathered copy (in flight or available) reflects the current shards."""
+    @property
+    def holders(self) -> int:
+        """Gathers started and not yet released."""
+
+@final
+class Registry:
+    """Sizes and gather state of every sharded parameter, keyed by ds_id."""
+
+    def __new__(cls, world_size: int) -> Registry:
+        """Raises ZrsError if ``world_size`` is 0."""
+    @property
+    def world_size(self) -> int: ...
+    def register(
+        self,
+        shape: Sequence[int],
+        dtype: str,
+        persistent: bool = False,
+        requires_grad: bool = True,
+    ) -> int:
+        """Register a parameter under the next free ds_id and return it."""
+    def info(self, ds_id: int) -> ParamInfo: ...
+    def start_gather(self, ds_id: int) -> bool:
+        """Take a hold; True if an all-gather must be issued, False to reuse a valid copy."""
+    def finish_gather(self, ds_id: int) -> None:
+        """Mark the all-gather complete (in flight -> available)."""
+    def release(self, ds_id: int) -> bool:
+        """Drop a hold; True if the caller must free the gathered buffer now."""
+    def invalidate(self, ds_id: int) -> None:
+        """Mark the gathered copy stale (the shard changed)."""
+    def invalidate_all(self) -> None:
+        """``invalidate`` every parameter, e.g. after an optimizer step."""
+    def set_uses(self, graph_id: int, ds_id: int, n: int) -> None:
+        """Record how many nodes of graph ``graph_id`` use the parameter."""
+    def uses(self, graph_id: int, ds_id: int) -> int:
+        """Uses recorded for graph ``graph_id``; 0 if none."""
+    def ids(self) -> list[int]:
+        """Registered ds_ids in increasing order."""
+    def __len__(self) -> int: ...
+    def __contains__(self, ds_id: int, /) -> bool: ...
+    def total_numel(self) -> int: ...
+    def total_shard_numel(self) -> int: ...

@@ -1,0 +1,107 @@
+"""zrs: ZeRO-3 as a compiler for PyTorch training.
+
+import zrs
+model = zrs.compile(model)          # shards every parameter, compiles with torch.compile
+opt = torch.optim.AdamW(model.parameters())   # the parameters are the local fp32 shards
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from zrs import ops as _ops  # noqa: F401  (registers the torch.ops.zrs namespace)
+from zrs._core import Registry, ZrsError
+from zrs.compiler import BACKENDS, make_backend
+from zrs.runtime import ZeroState
+from zrs.sharding import InitFn, check_devices, full_state_dict, shard_model
+
+__all__ = ["ZrsError", "compile", "full_state_dict"]
+__version__ = "0.1.0"
+
+
+def _resolve_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    if process_group is not None:
+        return process_group
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise ZrsError(
+            f"zrs.compile was called before torch.distributed.init_process_group, but "
+            f"WORLD_SIZE={world}: call dist.init_process_group('nccl' on GPUs, 'gloo' on CPU) "
+            "first, or pass process_group="
+        )
+    return None  # one process, no torch.distributed: collectives are local copies
+
+
+def _resolve_device(model: nn.Module, group: dist.ProcessGroup | None) -> torch.device:
+    device = check_devices(model)
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())  # NCCL needs this rank's GPU
+    return device if device is not None else torch.device("cpu")
+
+
+def _cast_inputs(dtype: torch.dtype):
+    """Cast floating-point forward inputs to the compute dtype, as FSDP2's mixed precision does."""
+
+    def cast(t):
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    return hook
+
+
+def compile(
+    model: nn.Module,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    backend: str = "inductor",
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    init_fn: InitFn | None = None,
+) -> nn.Module:
+    """Shard `model` across the process group and compile it with the zrs ZeRO-3 backend.
+
+    Every parameter is flattened, padded to a multiple of the world size and cut into equal shards;
+    the local fp32 shard replaces it as the module's `nn.Parameter`, so any torch.optim optimizer
+    works on `model.parameters()`. Module code that reads a parameter gathers it; inside compiled
+    graphs the gathers, releases and gradient reduce-scatters are scheduled by zrs.
+
+    Args:
+        process_group: the data-parallel group (default: the world group; none needed for one
+            process).
+        backend: "inductor" (default) or "eager" (run the lowered FX graphs without codegen).
+        param_dtype: compute dtype of gathered parameters (e.g. torch.bfloat16); shards stay fp32.
+        reduce_dtype: dtype of the gradient reduce-scatter (default fp32).
+        init_fn: for a model built on the meta device, `fn(module)` initialises one module's own
+            parameters and buffers (default: the module's `reset_parameters()`).
+
+    Returns the same model object, sharded and compiled in place.
+    """
+    if backend not in BACKENDS:
+        raise ZrsError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    group = _resolve_group(process_group)
+    device = _resolve_device(model, group)
+    world = dist.get_world_size(group) if group is not None else 1
+    state = ZeroState(
+        group=group,
+        world_size=world,
+        rank=dist.get_rank(group) if group is not None else 0,
+        device=device,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype or torch.float32,
+        registry=Registry(world),
+    )
+    shard_model(model, state, init_fn)
+    model._zrs_state = state
+    if param_dtype is not None:
+        model.register_forward_pre_hook(_cast_inputs(param_dtype), with_kwargs=True)
+    model.compile(backend=make_backend(state, backend))
+    return model

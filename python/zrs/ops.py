@@ -1,0 +1,166 @@
+"""Every zrs op: schema, fake (meta) implementation and runtime implementation, in one place.
+
+`torch.library.custom_op` cannot declare outputs that alias inputs, so the ops are defined from
+schema strings. The `(a)` annotations on `wait_allgather` and `release_param` are load-bearing:
+they tell inductor the output is the input, so it neither frees the gathered tensor early nor
+reorders its users across the wait or the release.
+
+`gather` / `gather_grad` are the functional pair dynamo traces (forward all-gather, backward
+reduce-scatter with pre-divide). The zero3 pass lowers them into the remaining ops.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.node import has_side_effect
+
+from zrs import runtime
+
+LIB = torch.library.Library("zrs", "DEF")  # schemas as strings: they need alias annotations
+
+SCHEMAS = {
+    "gather": "gather(Tensor shard, int ds_id, SymInt[] shape, ScalarType? dtype=None) -> Tensor",
+    "gather_grad": "gather_grad(Tensor grad, int ds_id) -> Tensor",
+    "allgather_param": (
+        "allgather_param(Tensor shard, int graph_id, int ds_id, ScalarType? dtype=None) -> Tensor"
+    ),
+    "wait_allgather": "wait_allgather(Tensor(a) x, int graph_id, int ds_id) -> Tensor(a)",
+    "release_param": (
+        "release_param(Tensor(a) x, int graph_id, int ds_id, int n_users) -> Tensor(a)"
+    ),
+    "prefetch_params_fused": (
+        "prefetch_params_fused(int graph_id, Tensor[] shards, int[] ds_ids, "
+        "ScalarType[]? dtypes=None) -> ()"
+    ),
+    "reduce_grad": "reduce_grad(Tensor grad, int graph_id, int ds_id) -> ()",
+    "end_backward": "end_backward(int graph_id) -> ()",
+}
+for _schema in SCHEMAS.values():
+    LIB.define(_schema)
+
+# Ops that run for their effect: FX dead-code elimination and inductor must keep them.
+SIDE_EFFECT_OPS = ("release_param", "prefetch_params_fused", "reduce_grad", "end_backward")
+
+# The runtime implementations work on any device through torch.distributed; CUDA kernels for
+# packing and casting register on the CUDA key in `zrs.cuda` (issue 3).
+_KEY = "CompositeExplicitAutograd"
+
+
+def _impl(name: str):
+    def deco(fn):
+        LIB.impl(name, fn, _KEY)
+        return fn
+
+    return deco
+
+
+def _fake(name: str):
+    return torch.library.register_fake(f"zrs::{name}", lib=LIB)
+
+
+# --- gather / gather_grad: the functional pair ------------------------------------------------
+
+
+@_impl("gather")
+def _gather(shard, ds_id, shape, dtype=None):
+    return runtime.gather_full(runtime.handle(ds_id), shard, dtype)
+
+
+@_fake("gather")
+def _gather_fake(shard, ds_id, shape, dtype=None):
+    return shard.new_empty(shape, dtype=dtype or shard.dtype)
+
+
+@_impl("gather_grad")
+def _gather_grad(grad, ds_id):
+    return runtime.reduce_scatter_full(runtime.handle(ds_id), grad)
+
+
+@_fake("gather_grad")
+def _gather_grad_fake(grad, ds_id):
+    h = runtime.handle(ds_id)
+    return grad.new_empty(h.shard_numel, dtype=h.shard.dtype)
+
+
+def _gather_setup(ctx, inputs, output):
+    ctx.ds_id = inputs[1]
+
+
+def _gather_backward(ctx, grad):
+    return torch.ops.zrs.gather_grad(grad, ctx.ds_id), None, None, None
+
+
+torch.library.register_autograd(
+    "zrs::gather", _gather_backward, setup_context=_gather_setup, lib=LIB
+)
+
+
+# --- lowered ops ------------------------------------------------------------------------------
+
+
+@_impl("allgather_param")
+def _allgather_param(shard, graph_id, ds_id, dtype=None):
+    return runtime.allgather_param(shard, ds_id, dtype)
+
+
+@_fake("allgather_param")
+def _allgather_param_fake(shard, graph_id, ds_id, dtype=None):
+    h = runtime.handle(ds_id)
+    return shard.new_empty(h.shape, dtype=dtype or shard.dtype)
+
+
+@_impl("wait_allgather")
+def _wait_allgather(x, graph_id, ds_id):
+    runtime.wait_gather(ds_id)
+    return x
+
+
+@_fake("wait_allgather")
+def _wait_allgather_fake(x, graph_id, ds_id):
+    return x
+
+
+@_impl("release_param")
+def _release_param(x, graph_id, ds_id, n_users):
+    runtime.release(ds_id)
+    return x
+
+
+@_fake("release_param")
+def _release_param_fake(x, graph_id, ds_id, n_users):
+    return x
+
+
+@_impl("prefetch_params_fused")
+def _prefetch_params_fused(graph_id, shards, ds_ids, dtypes=None):
+    dtypes = dtypes or [s.dtype for s in shards]
+    runtime.prefetch(list(shards), list(ds_ids), list(dtypes))
+
+
+@_fake("prefetch_params_fused")
+def _prefetch_params_fused_fake(graph_id, shards, ds_ids, dtypes=None):
+    return None
+
+
+@_impl("reduce_grad")
+def _reduce_grad(grad, graph_id, ds_id):
+    runtime.reduce_grad(grad, ds_id)
+
+
+@_fake("reduce_grad")
+def _reduce_grad_fake(grad, graph_id, ds_id):
+    return None
+
+
+@_impl("end_backward")
+def _end_backward(graph_id):
+    runtime.end_backward()
+
+
+@_fake("end_backward")
+def _end_backward_fake(graph_id):
+    return None
+
+
+for _name in SIDE_EFFECT_OPS:
+    has_side_effect(getattr(torch.ops.zrs, _name).default)

@@ -1,0 +1,1 @@
+"""Graph passes of the compiled path, one per file, each `(graph, ...) -> graph`."""

@@ -1,0 +1,60 @@
+"""Small pure predicates over FX nodes, shared by the passes."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+OPS = torch.ops.zrs
+CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
+
+
+def is_op(node: fx.Node, name: str) -> bool:
+    return node.op == "call_function" and node.target is getattr(OPS, name).default
+
+
+def is_view(node: fx.Node) -> bool:
+    """True if `node`'s output aliases its first input (a view op, or a getitem of a view tuple)."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        src = node.args[0]
+        return isinstance(src, fx.Node) and is_view(src)
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns or not schema.arguments:
+        return False
+    out, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
+    return (
+        out is not None
+        and first is not None
+        and not out.is_write
+        and out.before_set == first.before_set
+    )
+
+
+def cast_dtype(node: fx.Node) -> torch.dtype | None:
+    """The target dtype if `node` is a pure dtype cast, else None."""
+    if node.op != "call_function" or node.target not in CASTS:
+        return None
+    if node.target is CASTS[0]:
+        return node.args[1]
+    if set(node.kwargs) - {"dtype"}:
+        return None  # a device move or layout change, not a plain cast
+    return node.kwargs.get("dtype")
+
+
+def alias_closure(node: fx.Node) -> list[fx.Node]:
+    """`node` and every node whose output aliases it through views, in discovery order."""
+    seen, stack = [node], [node]
+    while stack:
+        for user in stack.pop().users:
+            if is_view(user) and user not in seen:
+                seen.append(user)
+                stack.append(user)
+    return seen
+
+
+def val(node: fx.Node):
+    return node.meta.get("val")

@@ -1,0 +1,55 @@
+"""Check that every rank lowered the same graph, before any of its collectives can hang.
+
+Ranks that trace different graphs (data-dependent control flow, different input shapes) would issue
+different collectives and deadlock. Each rank hashes a signature of its lowered graph; the hashes
+are compared with one small all-gather, and only on a mismatch are the signatures exchanged to name
+the first differing node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch.distributed as dist
+from torch import fx
+
+from zrs._core import ZrsError
+
+
+def _describe(value) -> str:
+    shape = getattr(value, "shape", None)
+    return f"{getattr(value, 'dtype', '')}{list(shape)}" if shape is not None else ""
+
+
+def signature(graph: fx.Graph) -> list[str]:
+    """One line per node: op, target, constant arguments and output shape; no names."""
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    lines = []
+    for n in graph.nodes:
+        args = [f"%{index[a]}" if isinstance(a, fx.Node) else repr(a) for a in n.args]
+        lines.append(f"{n.op} {n.target} ({', '.join(args)}) -> {_describe(n.meta.get('val'))}")
+    return lines
+
+
+def check_same_graph(graph: fx.Graph, group: dist.ProcessGroup | None, what: str) -> None:
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    lines = signature(graph)
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    digests: list[str] = [""] * dist.get_world_size(group)
+    dist.all_gather_object(digests, digest, group=group)
+    if len(set(digests)) == 1:
+        return
+    everyone: list[list[str]] = [[] for _ in digests]
+    dist.all_gather_object(everyone, lines, group=group)
+    other = next(r for r, d in enumerate(digests) if d != digests[0])
+    a, b = everyone[0], everyone[other]
+    i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    node_a = a[i] if i < len(a) else "<end of graph>"
+    node_b = b[i] if i < len(b) else "<end of graph>"
+    raise ZrsError(
+        f"ranks captured different {what}: the first difference is node #{i}, which is "
+        f"`{node_a}` on rank 0 but `{node_b}` on rank {other}. Every rank must run the same model "
+        "code on inputs of the same shapes and dtypes; make control flow independent of the rank "
+        "and pad or bucket the batches to equal shapes"
+    )

@@ -1,0 +1,142 @@
+"""Lower the functional gather / gather_grad pair into explicit ZeRO-3 communication.
+
+Runs on the partitioned forward and backward graphs (after functionalization, so the alias
+annotations of the lowered ops are legal):
+
+* each `gather` becomes `allgather_param -> wait_allgather -> uses -> release_param`, with the
+  release after the last real use (uses are counted through aliasing views; a tuple-returning user
+  is released after its last `getitem`);
+* a gather whose only user is a downcast gathers in the smaller dtype (fused downcast);
+* each parameter gradient (`gather_grad`, or a sum of them for a parameter used several times)
+  goes to `reduce_grad`, right where it is complete, and `end_backward` flushes the buckets. The
+  graph then returns None for that shard: the runtime accumulates into `shard.grad` itself.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from zrs._core import ZrsError
+from zrs.passes._nodes import OPS, alias_closure, cast_dtype, is_op, val
+
+
+@dataclass
+class Lowered:
+    """What the pass did, for the registry's use counters and for tests."""
+
+    uses: dict[int, int]  # ds_id -> real uses in this graph
+    fused_downcasts: int
+    reduced: list[int]  # ds_ids sent to reduce_grad
+
+
+def _order(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def _lower_gather(graph: fx.Graph, g: fx.Node, graph_id: int, out: Lowered) -> None:
+    shard, ds_id = g.args[0], g.args[1]
+    dtype = g.kwargs.get("dtype", g.args[3] if len(g.args) > 3 else None)
+    src = val(g)
+    users = list(g.users)
+    target = g
+    if len(users) == 1:
+        cast = cast_dtype(users[0])
+        if cast is not None and src is not None and cast.itemsize < src.dtype.itemsize:
+            dtype, target = cast, users[0]
+            out.fused_downcasts += 1
+    with graph.inserting_before(g):
+        ag = graph.call_function(
+            OPS.allgather_param.default, (shard, graph_id, ds_id), {"dtype": dtype}
+        )
+        wait = graph.call_function(OPS.wait_allgather.default, (ag, graph_id, ds_id))
+    ag.meta["val"] = wait.meta["val"] = val(target)
+    target.replace_all_uses_with(wait)
+    if target is not g:
+        graph.erase_node(target)
+    graph.erase_node(g)
+
+    closure = alias_closure(wait)
+    output = next(iter(graph.find_nodes(op="output")))
+    if any(a in closure for a in output.all_input_nodes):
+        # The parameter escapes the graph (returned, or saved for backward): hand out a copy so
+        # the gathered buffer can still be freed.
+        with graph.inserting_before(output):
+            for a in [a for a in output.all_input_nodes if a in closure]:
+                copy = graph.call_function(torch.ops.aten.clone.default, (a,))
+                copy.meta["val"] = val(a)
+                output.replace_input_with(a, copy)
+    order = _order(graph)
+    real = {u for n in closure for u in n.users if u not in closure}
+    out.uses[ds_id] = out.uses.get(ds_id, 0) + len(real)
+    last = max(real, key=order.__getitem__, default=wait)
+    anchor = last
+    if isinstance(val(last), (tuple, list)):
+        items = [u for u in last.users if u.target is operator.getitem]
+        anchor = max(items, key=order.__getitem__, default=wait)
+    elif not isinstance(val(last), torch.Tensor):
+        anchor = wait  # no tensor to hang the release on: release the parameter itself
+    point = max((last, anchor), key=order.__getitem__)
+    with graph.inserting_after(point):
+        rel = graph.call_function(OPS.release_param.default, (anchor, graph_id, ds_id, len(real)))
+    rel.meta["val"] = val(anchor)
+
+
+def _grad_leaves(node: fx.Node) -> list[fx.Node]:
+    """The terms of a gradient that autograd summed with `add` (a parameter used twice)."""
+    if node.op == "call_function" and node.target is torch.ops.aten.add.Tensor:
+        return [leaf for a in node.args[:2] if isinstance(a, fx.Node) for leaf in _grad_leaves(a)]
+    return [node]
+
+
+def _lower_grads(graph: fx.Graph, graph_id: int, out: Lowered) -> None:
+    output = next(iter(graph.find_nodes(op="output")))
+    grads = list(output.args[0])
+    for i, g in enumerate(grads):
+        if not isinstance(g, fx.Node):
+            continue
+        leaves = _grad_leaves(g)
+        reduced = [leaf for leaf in leaves if is_op(leaf, "gather_grad")]
+        if not reduced:
+            continue
+        ids = {leaf.args[1] for leaf in reduced}
+        if len(reduced) != len(leaves) or len(ids) != 1:
+            raise ZrsError(
+                f"backward graph {graph_id}: gradient output {i} mixes zrs parameter gradients "
+                f"{sorted(ids)} with other terms; this is a zero3 pass bug, please report it"
+            )
+        order = _order(graph)
+        fulls = sorted((leaf.args[0] for leaf in reduced), key=order.__getitem__)
+        with graph.inserting_after(fulls[-1]):
+            total = fulls[0]
+            for f in fulls[1:]:
+                total = graph.call_function(torch.ops.aten.add.Tensor, (total, f))
+                total.meta["val"] = val(f)
+            graph.call_function(OPS.reduce_grad.default, (total, graph_id, ids.pop()))
+        out.reduced.append(reduced[0].args[1])
+        grads[i] = None
+    output.args = (tuple(grads),)
+    with graph.inserting_before(output):
+        graph.call_function(OPS.end_backward.default, (graph_id,))
+
+
+def lower_zero3(gm: fx.GraphModule, graph_id: int, *, is_backward: bool) -> Lowered:
+    out = Lowered(uses={}, fused_downcasts=0, reduced=[])
+    graph = gm.graph
+    for g in list(graph.find_nodes(op="call_function", target=OPS.gather.default)):
+        _lower_gather(graph, g, graph_id, out)
+    if is_backward:
+        _lower_grads(graph, graph_id, out)
+    graph.eliminate_dead_code()
+    leftover = graph.find_nodes(op="call_function", target=OPS.gather_grad.default)
+    if leftover:
+        raise ZrsError(
+            f"graph {graph_id}: {len(leftover)} parameter gradient(s) do not reach the graph "
+            "output; zrs cannot reduce them (please report this model)"
+        )
+    graph.lint()
+    gm.recompile()
+    return out

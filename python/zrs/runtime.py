@@ -1,0 +1,344 @@
+"""Process-wide state behind the zrs ops: parameter handles, gathered buffers, gradient buckets.
+
+The Rust registry (`zrs._core.Registry`) decides *whether* a collective is needed and when a buffer
+may be freed; this module owns the tensors and talks to torch.distributed. Every op in
+`zrs.ops` resolves its `ds_id` here.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zrs._core import Registry, ZrsError
+
+# Gradient buckets are reduce-scattered once they hold this many elements (per rank, all
+# shards together). The planner (issue 4) replaces this constant with a comm-model choice.
+GRAD_BUCKET_NUMEL = 1 << 22
+
+
+@dataclass(eq=False)
+class ZeroState:
+    """One `zrs.compile` call: the process group, its registry and the precision settings."""
+
+    group: dist.ProcessGroup | None
+    world_size: int
+    rank: int
+    device: torch.device
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype
+    registry: Registry
+    handles: list[ParamHandle] = field(default_factory=list)
+    graph_ids: itertools.count = field(default_factory=itertools.count)
+
+
+@dataclass(eq=False)
+class ParamHandle:
+    """What the ops need about one sharded parameter, keyed by its global `ds_id`."""
+
+    ds_id: int
+    local_id: int
+    state: ZeroState
+    shard: nn.Parameter
+    shape: tuple[int, ...]
+    numel: int
+    padded_numel: int
+    shard_numel: int
+
+
+_HANDLES: dict[int, ParamHandle] = {}
+
+
+def add_handle(state: ZeroState, shard: nn.Parameter, local_id: int) -> ParamHandle:
+    info = state.registry.info(local_id)
+    h = ParamHandle(
+        ds_id=len(_HANDLES),
+        local_id=local_id,
+        state=state,
+        shard=shard,
+        shape=tuple(info.shape),
+        numel=info.numel,
+        padded_numel=info.padded_numel,
+        shard_numel=info.shard_numel,
+    )
+    _HANDLES[h.ds_id] = h
+    state.handles.append(h)
+    return h
+
+
+def handle(ds_id: int) -> ParamHandle:
+    try:
+        return _HANDLES[ds_id]
+    except KeyError:
+        raise ZrsError(
+            f"unknown parameter ds_id {ds_id}: no zrs.compile call in this process registered it; "
+            "compile the model with zrs.compile(model) before running it"
+        ) from None
+
+
+# --- collectives ------------------------------------------------------------------------------
+# A group of None means a single process without torch.distributed: collectives become copies.
+
+
+def all_gather(
+    out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool
+) -> dist.Work | None:
+    if group is None:
+        out.copy_(inp)
+        return None
+    return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter(
+    out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool
+) -> dist.Work | None:
+    if group is None:
+        out.copy_(inp)
+        return None
+    return dist.reduce_scatter_tensor(
+        out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+    )
+
+
+def gather_full(h: ParamHandle, shard: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """Synchronous all-gather of one parameter (the functional op and full_state_dict use it)."""
+    dtype = dtype or shard.dtype
+    buf = torch.empty(h.padded_numel, dtype=dtype, device=shard.device)
+    all_gather(buf, shard.detach().to(dtype).reshape(-1), h.state.group, async_op=False)
+    return buf.narrow(0, 0, h.numel).view(h.shape)
+
+
+def pack_grad(h: ParamHandle, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Flatten, pre-divide by the world size, cast and pad a full gradient to padded numel."""
+    flat = torch.zeros(h.padded_numel, dtype=dtype, device=grad.device)
+    flat[: h.numel].copy_(grad.reshape(-1))
+    return flat.div_(h.state.world_size)
+
+
+def reduce_scatter_full(h: ParamHandle, grad: torch.Tensor) -> torch.Tensor:
+    """Synchronous reduce-scatter of one full gradient into this rank's shard (mean over ranks)."""
+    packed = pack_grad(h, grad, h.state.reduce_dtype)
+    out = torch.empty(h.shard_numel, dtype=h.state.reduce_dtype, device=grad.device)
+    reduce_scatter(out, packed, h.state.group, async_op=False)
+    return out.to(h.shard.dtype)
+
+
+# --- gathered parameters (lowered ops) ---------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """One issued all-gather, possibly fused over several parameters (rank-major layout)."""
+
+    work: dist.Work | None
+    recv: torch.Tensor
+    members: list[tuple[ParamHandle, int]]  # (handle, offset of its shard inside a rank block)
+    block: int  # elements per rank block
+    fused: bool  # False: a single parameter gathered straight into its own buffer
+
+    def complete(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        if not self.fused:
+            return
+        world = self.members[0][0].state.world_size
+        blocks = self.recv.view(world, self.block)
+        for h, off in self.members:
+            _BUFFERS[h.ds_id].view(world, h.shard_numel).copy_(blocks[:, off : off + h.shard_numel])
+
+
+_BUFFERS: dict[int, torch.Tensor] = {}  # ds_id -> gathered padded flat buffer
+_IN_FLIGHT: dict[int, _InFlight] = {}  # ds_id -> the collective that fills its buffer
+_PREFETCHED: set[int] = set()  # gathered by prefetch_params_fused, holder not yet claimed
+
+
+def _shaped(h: ParamHandle) -> torch.Tensor:
+    return _BUFFERS[h.ds_id].narrow(0, 0, h.numel).view(h.shape)
+
+
+def issue_gather(
+    hs: list[ParamHandle], shards: list[torch.Tensor], dtypes: list[torch.dtype]
+) -> None:
+    """Start one all-gather for every handle whose registry says a collective is needed."""
+    todo = []
+    for h, s, dt in zip(hs, shards, dtypes, strict=True):
+        if h.state.registry.start_gather(h.local_id):
+            todo.append((h, s, dt))
+        elif h.ds_id in _BUFFERS and _BUFFERS[h.ds_id].dtype != dt:
+            raise ZrsError(
+                f"parameter ds_id {h.ds_id} is already gathered in {_BUFFERS[h.ds_id].dtype} and "
+                f"was gathered again in {dt} before its release; this is a zero3 pass bug"
+            )
+    if not todo:
+        return
+    state = todo[0][0].state
+    device = todo[0][1].device
+    if len(todo) == 1:
+        h, s, dt = todo[0]
+        buf = torch.empty(h.padded_numel, dtype=dt, device=device)
+        _BUFFERS[h.ds_id] = buf
+        work = all_gather(buf, s.detach().to(dt).reshape(-1), state.group, async_op=True)
+        _IN_FLIGHT[h.ds_id] = _InFlight(work, buf, [(h, 0)], h.shard_numel, fused=False)
+        return
+    dtype = todo[0][2]
+    if any(dt != dtype for _, _, dt in todo):
+        raise ZrsError("a fused prefetch group mixes gather dtypes; the planner must split it")
+    offsets = list(itertools.accumulate((h.shard_numel for h, _, _ in todo), initial=0))
+    block = offsets[-1]
+    send = torch.cat([s.detach().to(dtype).reshape(-1) for _, s, _ in todo])
+    recv = torch.empty(block * state.world_size, dtype=dtype, device=device)
+    work = all_gather(recv, send, state.group, async_op=True)
+    flight = _InFlight(
+        work,
+        recv,
+        [(h, off) for (h, _, _), off in zip(todo, offsets, strict=False)],
+        block,
+        fused=True,
+    )
+    for h, _, _ in todo:
+        _BUFFERS[h.ds_id] = torch.empty(h.padded_numel, dtype=dtype, device=device)
+        _IN_FLIGHT[h.ds_id] = flight
+
+
+def allgather_param(shard: torch.Tensor, ds_id: int, dtype: torch.dtype | None) -> torch.Tensor:
+    h = handle(ds_id)
+    if ds_id in _PREFETCHED:
+        _PREFETCHED.discard(ds_id)  # the prefetch already took this gather's holder
+    else:
+        issue_gather([h], [shard], [dtype or shard.dtype])
+    return _shaped(h)
+
+
+def prefetch(shards: list[torch.Tensor], ds_ids: list[int], dtypes: list[torch.dtype]) -> None:
+    hs = [handle(i) for i in ds_ids]
+    issue_gather(hs, shards, dtypes)
+    _PREFETCHED.update(ds_ids)
+
+
+def wait_gather(ds_id: int) -> None:
+    h = handle(ds_id)
+    flight = _IN_FLIGHT.get(ds_id)
+    if flight is not None:
+        flight.complete()
+        for m, _ in flight.members:
+            del _IN_FLIGHT[m.ds_id]
+    h.state.registry.finish_gather(h.local_id)
+
+
+def release(ds_id: int) -> None:
+    h = handle(ds_id)
+    if h.state.registry.release(h.local_id):
+        buf = _BUFFERS.pop(ds_id)
+        # Free now even if a compiled graph still holds an alias of the buffer: that alias is
+        # dead by construction (the release follows the last use).
+        buf.untyped_storage().resize_(0)
+
+
+# --- gradient buckets -------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Bucket:
+    state: ZeroState
+    grads: list[tuple[ParamHandle, torch.Tensor]] = field(default_factory=list)
+    numel: int = 0  # shard elements per rank
+
+
+@dataclass(eq=False)
+class _Reduce:
+    work: dist.Work | None
+    out: torch.Tensor
+    members: list[tuple[ParamHandle, int]]
+
+
+_BUCKETS: dict[tuple[int, torch.dtype], _Bucket] = {}
+_REDUCING: list[_Reduce] = []
+_callback_queued = False
+
+
+def reduce_grad(grad: torch.Tensor, ds_id: int) -> None:
+    h = handle(ds_id)
+    state = h.state
+    key = (id(state), state.reduce_dtype)
+    bucket = _BUCKETS.setdefault(key, _Bucket(state))
+    bucket.grads.append((h, grad))
+    bucket.numel += h.shard_numel
+    _queue_final_callback()
+    if bucket.numel >= GRAD_BUCKET_NUMEL:
+        _flush(key)
+
+
+def _flush(key: tuple[int, torch.dtype]) -> None:
+    bucket = _BUCKETS.pop(key)
+    state, dtype = bucket.state, key[1]
+    world = state.world_size
+    device = bucket.grads[0][1].device
+    packed = torch.empty(world, bucket.numel, dtype=dtype, device=device)
+    members, off = [], 0
+    for h, g in bucket.grads:
+        # rank-major: rank r's block holds every member's r-th shard, so one reduce-scatter
+        # leaves each rank with its own shards side by side.
+        packed[:, off : off + h.shard_numel].copy_(
+            pack_grad(h, g, dtype).view(world, h.shard_numel)
+        )
+        members.append((h, off))
+        off += h.shard_numel
+    out = torch.empty(bucket.numel, dtype=dtype, device=device)
+    work = reduce_scatter(out, packed.view(-1), state.group, async_op=True)
+    _REDUCING.append(_Reduce(work, out, members))
+
+
+def flush_grads() -> None:
+    for key in list(_BUCKETS):
+        _flush(key)
+
+
+def finish_grads() -> None:
+    """Wait for every reduce-scatter and accumulate into the shards' `.grad`."""
+    global _callback_queued
+    _callback_queued = False
+    flush_grads()
+    while _REDUCING:
+        r = _REDUCING.pop(0)
+        if r.work is not None:
+            r.work.wait()
+        for h, off in r.members:
+            g = r.out[off : off + h.shard_numel].to(h.shard.dtype)
+            if h.shard.grad is None:
+                h.shard.grad = g.clone()  # own storage, not a view of the bucket
+            else:
+                h.shard.grad.add_(g)
+
+
+def _queue_final_callback() -> None:
+    """Make sure the buckets are drained when autograd finishes this backward pass."""
+    global _callback_queued
+    if _callback_queued:
+        return
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(finish_grads)
+    except RuntimeError:
+        return  # not inside a backward pass (a direct call): end_backward finishes instead
+    _callback_queued = True
+
+
+def end_backward() -> None:
+    """Issue the partly filled buckets; finish now unless autograd's final callback will."""
+    flush_grads()
+    if not _callback_queued:
+        finish_grads()
+
+
+def reset() -> None:
+    """Drop all in-flight state (tests, and recovery after an exception mid-step)."""
+    global _callback_queued
+    _BUFFERS.clear()
+    _IN_FLIGHT.clear()
+    _PREFETCHED.clear()
+    _BUCKETS.clear()
+    _REDUCING.clear()
+    _callback_queued = False

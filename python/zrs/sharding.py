@@ -1,0 +1,150 @@
+"""Cut every parameter of a model into world-size shards and make module code gather at use.
+
+Each parameter becomes its local fp32 shard, stored as the real `nn.Parameter` under the same name,
+so `model.parameters()`, optimizers and `state_dict()` keys see shards. The owning module's class is
+swapped for a per-class subclass whose property of that name returns
+`torch.ops.zrs.gather(shard, ...)`: dynamo traces the gather like any op (SimpleFSDP's idea).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zrs import runtime
+from zrs._core import ZrsError
+from zrs.runtime import ParamHandle, ZeroState
+
+InitFn = Callable[[nn.Module], None]
+
+_SUBCLASSES: dict[tuple[type, frozenset[str]], type] = {}
+
+
+def _gathered(name: str) -> property:
+    def get(self: nn.Module) -> torch.Tensor:
+        ds_id, shape, dtype = self._zrs_params[name]
+        full = torch.ops.zrs.gather(self._parameters[name], ds_id, shape)
+        # A cast right after the gather is fused into it by the zero3 pass (gather in bf16).
+        return full if dtype is None else full.to(dtype)
+
+    return property(get, doc=f"`{name}` gathered from its shards (zrs)")
+
+
+def _install_properties(module: nn.Module, names: frozenset[str]) -> None:
+    base = module.__class__
+    key = (base, names)
+    if key not in _SUBCLASSES:
+        attrs: dict[str, Any] = {n: _gathered(n) for n in names}
+        attrs["_zrs_base_class"] = base
+        _SUBCLASSES[key] = type(f"Zrs{base.__name__}", (base,), attrs)
+    module.__class__ = _SUBCLASSES[key]
+
+
+def check_devices(model: nn.Module) -> torch.device | None:
+    """The one device every parameter lives on, None if all are on meta; raises otherwise."""
+    params = list(model.parameters())
+    if not params:
+        raise ZrsError(
+            f"{type(model).__name__} has no parameters: there is nothing for zrs to shard; "
+            "pass the model that owns the parameters to zrs.compile"
+        )
+    if any(getattr(m, "_zrs_params", None) for m in model.modules()):
+        raise ZrsError("this model is already sharded by zrs.compile; compile it only once")
+    devices = {p.device for p in params if p.device.type != "meta"}
+    if len(devices) > 1:
+        names = ", ".join(sorted(str(d) for d in devices))
+        raise ZrsError(
+            f"parameters are on mixed devices ({names}); zrs shards a model that lives on one "
+            "device: move it first with model.to(device), or build it on the meta device"
+        )
+    return next(iter(devices)) if devices else None
+
+
+def _materialize(module: nn.Module, device: torch.device, init_fn: InitFn | None) -> None:
+    """Give one module's meta tensors real storage and initialise them (this module only)."""
+    module.to_empty(device=device, recurse=False)
+    if init_fn is not None:
+        init_fn(module)
+    elif hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+    else:
+        raise ZrsError(
+            f"{type(module).__name__} was built on the meta device but has no reset_parameters(); "
+            "pass zrs.compile(model, init_fn=fn) where fn(module) initialises one module's own "
+            "parameters and buffers"
+        )
+
+
+def _source_rank(state: ZeroState) -> int:
+    return dist.get_global_rank(state.group, 0) if state.group is not None else 0
+
+
+def _shard_one(state: ZeroState, param: nn.Parameter) -> ParamHandle:
+    if not param.is_floating_point():
+        raise ZrsError(
+            f"a parameter of dtype {param.dtype} cannot be sharded: zrs keeps fp32 master shards; "
+            "register non-float state as a buffer instead"
+        )
+    full = param.detach().to(state.device)
+    if state.group is not None:
+        # Every rank starts from rank 0's weights, whatever each rank's RNG did.
+        full = full.contiguous()
+        dist.broadcast(full, src=_source_rank(state), group=state.group)
+    local_id = state.registry.register(
+        list(param.shape), str(param.dtype).removeprefix("torch."), False, param.requires_grad
+    )
+    info = state.registry.info(local_id)
+    flat = torch.zeros(info.padded_numel, dtype=torch.float32, device=state.device)
+    flat[: info.numel].copy_(full.reshape(-1))
+    start = state.rank * info.shard_numel
+    shard = nn.Parameter(flat[start : start + info.shard_numel].clone(), param.requires_grad)
+    return runtime.add_handle(state, shard, local_id)
+
+
+def shard_model(model: nn.Module, state: ZeroState, init_fn: InitFn | None = None) -> None:
+    """Replace every parameter of `model` by its local shard, module by module."""
+    done: dict[int, ParamHandle] = {}  # id(original parameter) -> handle: tied weights share one
+    for module in model.modules():
+        own = dict(module._parameters)
+        if any(t is not None and t.is_meta for t in [*own.values(), *module._buffers.values()]):
+            originals = dict(own)
+            _materialize(module, state.device, init_fn)
+            # to_empty created new tensors; keep the identity of the originals for tying.
+            own = {n: (originals[n], module._parameters[n]) for n in own}
+        else:
+            own = {n: (p, p) for n, p in own.items()}
+            for n, b in module._buffers.items():
+                if b is not None and b.device != state.device:
+                    module._buffers[n] = b.to(state.device)
+        specs = {}
+        for name, (orig, value) in own.items():
+            if orig is None:
+                continue
+            h = done.get(id(orig))
+            if h is None:
+                h = done[id(orig)] = _shard_one(state, value)
+            module._parameters[name] = h.shard
+            specs[name] = (h.ds_id, list(h.shape), state.param_dtype)
+        if specs:
+            module._zrs_params = specs
+            _install_properties(module, frozenset(specs))
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full, unsharded tensors keyed like the original model's `state_dict()`, on every rank.
+
+    Collective: every rank of the model's process group must call it.
+    """
+    sd = model.state_dict()
+    cache: dict[int, torch.Tensor] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, (ds_id, _, _) in getattr(module, "_zrs_params", {}).items():
+            if ds_id not in cache:
+                h = runtime.handle(ds_id)
+                cache[ds_id] = runtime.gather_full(h, h.shard, None).clone()
+            sd[f"{prefix}.{name}" if prefix else name] = cache[ds_id]
+    return sd

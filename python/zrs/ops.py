@@ -112,23 +112,23 @@ def _allgather_param_fake(shard, graph_id, ds_id, dtype=None):
 @_impl("wait_allgather")
 def _wait_allgather(x, graph_id, ds_id):
     runtime.wait_gather(ds_id)
-    return x
+    return x.view_as(x)  # kernels below autograd must return a fresh alias, never the input
 
 
 @_fake("wait_allgather")
 def _wait_allgather_fake(x, graph_id, ds_id):
-    return x
+    return x.view_as(x)
 
 
 @_impl("release_param")
 def _release_param(x, graph_id, ds_id, n_users):
     runtime.release(ds_id)
-    return x
+    return x.view_as(x)
 
 
 @_fake("release_param")
 def _release_param_fake(x, graph_id, ds_id, n_users):
-    return x
+    return x.view_as(x)
 
 
 @_impl("prefetch_params_fused")

@@ -135,6 +135,7 @@ class _InFlight:
     """One issued all-gather, possibly fused over several parameters (rank-major layout)."""
 
     work: dist.Work | None
+    send: torch.Tensor  # kept alive until the collective completes
     recv: torch.Tensor
     members: list[tuple[ParamHandle, int]]  # (handle, offset of its shard inside a rank block)
     block: int  # elements per rank block
@@ -181,8 +182,9 @@ def issue_gather(
         h, s, dt = todo[0]
         buf = torch.empty(h.padded_numel, dtype=dt, device=device)
         _BUFFERS[h.ds_id] = buf
-        work = all_gather(buf, s.detach().to(dt).reshape(-1), state.group, async_op=True)
-        _IN_FLIGHT[h.ds_id] = _InFlight(work, buf, [(h, 0)], h.shard_numel, fused=False)
+        send = s.detach().to(dt).reshape(-1)
+        work = all_gather(buf, send, state.group, async_op=True)
+        _IN_FLIGHT[h.ds_id] = _InFlight(work, send, buf, [(h, 0)], h.shard_numel, fused=False)
         return
     dtype = todo[0][2]
     if any(dt != dtype for _, _, dt in todo):
@@ -244,7 +246,7 @@ def release(ds_id: int) -> None:
 @dataclass(eq=False)
 class _Bucket:
     state: ZeroState
-    grads: list[tuple[ParamHandle, torch.Tensor]] = field(default_factory=list)
+    grads: list[tuple[ParamHandle, torch.Tensor]] = field(default_factory=list)  # (W, shard)
     numel: int = 0  # shard elements per rank
 
 
@@ -265,7 +267,9 @@ def reduce_grad(grad: torch.Tensor, ds_id: int) -> None:
     state = h.state
     key = (id(state), state.reduce_dtype)
     bucket = _BUCKETS.setdefault(key, _Bucket(state))
-    bucket.grads.append((h, grad))
+    # Pack now: once this op returns, the compiled graph may reuse the gradient's memory.
+    packed = pack_grad(h, grad, state.reduce_dtype).view(state.world_size, h.shard_numel)
+    bucket.grads.append((h, packed))
     bucket.numel += h.shard_numel
     _queue_final_callback()
     if bucket.numel >= GRAD_BUCKET_NUMEL:
@@ -275,18 +279,12 @@ def reduce_grad(grad: torch.Tensor, ds_id: int) -> None:
 def _flush(key: tuple[int, torch.dtype]) -> None:
     bucket = _BUCKETS.pop(key)
     state, dtype = bucket.state, key[1]
-    world = state.world_size
     device = bucket.grads[0][1].device
-    packed = torch.empty(world, bucket.numel, dtype=dtype, device=device)
-    members, off = [], 0
-    for h, g in bucket.grads:
-        # rank-major: rank r's block holds every member's r-th shard, so one reduce-scatter
-        # leaves each rank with its own shards side by side.
-        packed[:, off : off + h.shard_numel].copy_(
-            pack_grad(h, g, dtype).view(world, h.shard_numel)
-        )
-        members.append((h, off))
-        off += h.shard_numel
+    # rank-major: rank r's block holds every member's r-th shard, so one reduce-scatter leaves
+    # each rank with its own shards side by side.
+    packed = torch.cat([g for _, g in bucket.grads], dim=1)
+    offsets = itertools.accumulate((h.shard_numel for h, _ in bucket.grads), initial=0)
+    members = [(h, off) for (h, _), off in zip(bucket.grads, offsets, strict=False)]
     out = torch.empty(bucket.numel, dtype=dtype, device=device)
     work = reduce_scatter(out, packed.view(-1), state.group, async_op=True)
     _REDUCING.append(_Reduce(work, out, members))

@@ -110,7 +110,7 @@ def _lower_grads(graph: fx.Graph, graph_id: int, out: Lowered) -> None:
             )
         order = _order(graph)
         fulls = sorted((leaf.args[0] for leaf in reduced), key=order.__getitem__)
-        with graph.inserting_after(fulls[-1]):
+        with graph.inserting_before(fulls[-1].next):  # keeps the inserted nodes in order
             total = fulls[0]
             for f in fulls[1:]:
                 total = graph.call_function(torch.ops.aten.add.Tensor, (total, f))

@@ -196,6 +196,7 @@ def issue_gather(
     work = all_gather(recv, send, state.group, async_op=True)
     flight = _InFlight(
         work,
+        send,
         recv,
         [(h, off) for (h, _, _), off in zip(todo, offsets, strict=False)],
         block,

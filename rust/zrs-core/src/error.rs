@@ -35,6 +35,12 @@ pub enum Error {
     )]
     InvalidWorldSize(usize),
 
+    #[error(
+        "memory budget of {budget} bytes is infeasible: the planner's least peak for this graph is \
+         {minimal} bytes; raise memory_budget to at least {minimal} or shrink the model or batch"
+    )]
+    BudgetInfeasible { budget: u64, minimal: u64 },
+
     #[error("{0}")]
     Invalid(String),
 }

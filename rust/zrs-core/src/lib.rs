@@ -3,6 +3,7 @@
 //! The Python layer holds tensors; this crate holds ids, sizes, states and plans.
 
 pub mod error;
+pub mod plan;
 pub mod registry;
 
 pub use error::{Error, Result};

@@ -1,0 +1,345 @@
+//! Collective cost model: `latency + bytes * (W-1)/W / bus_bandwidth`, one link model for
+//! all-gather and one for reduce-scatter.
+//!
+//! `bytes` is the full (gathered / unreduced) tensor size. The ring factor `(W-1)/W` turns it
+//! into the bytes each rank moves, so a model fitted at one world size extrapolates to others
+//! (latency is kept constant: NCCL's small-message protocols make it grow far slower than the
+//! ring's W-1 steps). The two presets are weighted least-squares fits of sweeps measured on 2
+//! NVIDIA H200s of one host (torch.distributed + NCCL, bf16, 20 iterations after 5 warm-ups,
+//! sizes 64 KiB .. 256 MiB): with NVLink P2P, and with `NCCL_P2P_DISABLE=1` (the
+//! "bandwidth-limited" preset). See docs/planner.md.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// Measured on 2×H200 with NCCL_P2P_DISABLE=1: (full bytes, microseconds).
+pub const NOP2P_2XH200_ALLGATHER: [(u64, f64); 7] = [
+    (65_536, 23.08),
+    (262_144, 23.01),
+    (1_048_576, 41.92),
+    (4_194_304, 101.86),
+    (16_777_216, 346.42),
+    (67_108_864, 1348.81),
+    (268_435_456, 5333.26),
+];
+pub const NOP2P_2XH200_REDUCE_SCATTER: [(u64, f64); 7] = [
+    (65_536, 26.55),
+    (262_144, 24.98),
+    (1_048_576, 41.12),
+    (4_194_304, 101.35),
+    (16_777_216, 345.43),
+    (67_108_864, 1342.64),
+    (268_435_456, 5330.22),
+];
+/// Measured on 2×H200 over NVLink (P2P on).
+pub const NVLINK_2XH200_ALLGATHER: [(u64, f64); 7] = [
+    (65_536, 31.86),
+    (262_144, 31.54),
+    (1_048_576, 31.79),
+    (4_194_304, 31.67),
+    (16_777_216, 54.47),
+    (67_108_864, 157.29),
+    (268_435_456, 547.77),
+];
+pub const NVLINK_2XH200_REDUCE_SCATTER: [(u64, f64); 7] = [
+    (65_536, 32.44),
+    (262_144, 33.15),
+    (1_048_576, 32.26),
+    (4_194_304, 35.99),
+    (16_777_216, 50.45),
+    (67_108_864, 166.06),
+    (268_435_456, 586.65),
+];
+/// World size of the measured sweeps.
+pub const MEASURED_WORLD: u32 = 2;
+
+/// Ring factor: the fraction of the full tensor each rank sends (and receives).
+#[inline]
+pub fn ring_factor(world: u32) -> f64 {
+    if world <= 1 {
+        0.0
+    } else {
+        (world - 1) as f64 / world as f64
+    }
+}
+
+/// `time = latency_us + bytes * ring_factor(W) / (bus_gbps * 1e3)` (1 GB/s = 1e3 bytes/us).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LinkModel {
+    pub latency_us: f64,
+    /// Bus bandwidth in GB/s (bytes each rank moves per second / 1e9).
+    pub bus_gbps: f64,
+}
+
+impl LinkModel {
+    #[inline]
+    pub fn time_us(&self, bytes: u64, world: u32) -> f64 {
+        if bytes == 0 || world <= 1 {
+            return 0.0;
+        }
+        self.latency_us + bytes as f64 * ring_factor(world) / (self.bus_gbps * 1e3)
+    }
+
+    /// Algorithm bandwidth (full bytes / time) for large messages, in GB/s.
+    pub fn alg_gbps(&self, world: u32) -> f64 {
+        let f = ring_factor(world);
+        if f == 0.0 {
+            f64::INFINITY
+        } else {
+            self.bus_gbps / f
+        }
+    }
+
+    /// Weighted least squares of `us = a + b * bytes*(W-1)/W` over `(bytes, us)` samples, with
+    /// weights `1/us^2` so that small (latency-bound) and large (bandwidth-bound) sizes count
+    /// alike (relative error). A negative intercept is clamped to zero.
+    pub fn fit(samples: &[(u64, f64)], world: u32) -> Result<Self> {
+        let f = ring_factor(world);
+        if f == 0.0 {
+            return Err(Error::Invalid(
+                "cannot fit a collective cost model at world size 1: nothing is communicated"
+                    .into(),
+            ));
+        }
+        let pts: Vec<(f64, f64)> = samples
+            .iter()
+            .filter(|(b, us)| *b > 0 && us.is_finite() && *us > 0.0)
+            .map(|&(b, us)| (b as f64 * f, us))
+            .collect();
+        let distinct = {
+            let mut xs: Vec<u64> = pts.iter().map(|p| p.0 as u64).collect();
+            xs.sort_unstable();
+            xs.dedup();
+            xs.len()
+        };
+        if distinct < 2 {
+            return Err(Error::Invalid(format!(
+                "cannot fit a collective cost model from {} usable samples: measure at least two different \
+                 sizes with positive times",
+                pts.len()
+            )));
+        }
+        let (mut sw, mut sx, mut sy, mut sxx, mut sxy) = (0.0, 0.0, 0.0, 0.0, 0.0);
+        for &(x, y) in &pts {
+            let w = 1.0 / (y * y);
+            sw += w;
+            sx += w * x;
+            sy += w * y;
+            sxx += w * x * x;
+            sxy += w * x * y;
+        }
+        let det = sw * sxx - sx * sx;
+        let mut b = (sw * sxy - sx * sy) / det;
+        let mut a = (sy - b * sx) / sw;
+        if a < 0.0 {
+            a = 0.0;
+            b = sxy / sxx;
+        }
+        if !(b.is_finite() && b > 0.0) {
+            return Err(Error::Invalid(
+                "collective cost fit gave a non-positive bandwidth: the sweep's times do not grow with size; \
+                 measure larger sizes"
+                    .into(),
+            ));
+        }
+        Ok(LinkModel {
+            latency_us: a,
+            bus_gbps: 1.0 / (b * 1e3),
+        })
+    }
+}
+
+/// Costs of the collectives of one data-parallel group.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CostModel {
+    #[serde(default)]
+    pub name: String,
+    pub world: u32,
+    pub allgather: LinkModel,
+    pub reduce_scatter: LinkModel,
+}
+
+impl CostModel {
+    /// NVLink between 2 H200s (P2P on), fitted from the measured sweep; the analytic default.
+    pub fn nvlink(world: u32) -> Self {
+        CostModel {
+            name: "nvlink".into(),
+            world,
+            allgather: LinkModel::fit(&NVLINK_2XH200_ALLGATHER, MEASURED_WORLD)
+                .expect("measured fit"),
+            reduce_scatter: LinkModel::fit(&NVLINK_2XH200_REDUCE_SCATTER, MEASURED_WORLD)
+                .expect("measured fit"),
+        }
+    }
+
+    /// The bandwidth-limited model: 2 H200s with NCCL_P2P_DISABLE=1 (through host memory).
+    pub fn nop2p(world: u32) -> Self {
+        CostModel {
+            name: "nop2p".into(),
+            world,
+            allgather: LinkModel::fit(&NOP2P_2XH200_ALLGATHER, MEASURED_WORLD)
+                .expect("measured fit"),
+            reduce_scatter: LinkModel::fit(&NOP2P_2XH200_REDUCE_SCATTER, MEASURED_WORLD)
+                .expect("measured fit"),
+        }
+    }
+
+    /// `"nvlink"` (also `"default"`) or `"nop2p"` (also `"bandwidth_limited"`).
+    pub fn preset(name: &str, world: u32) -> Result<Self> {
+        if world == 0 {
+            return Err(Error::InvalidWorldSize(0));
+        }
+        match name {
+            "nvlink" | "default" | "analytic" => Ok(Self::nvlink(world)),
+            "nop2p" | "bandwidth_limited" | "bandwidth-limited" => Ok(Self::nop2p(world)),
+            other => Err(Error::Invalid(format!(
+                "unknown cost model preset '{other}'; use 'nvlink' (default) or 'nop2p' (bandwidth-limited), or pass \
+                 a fitted model as JSON"
+            ))),
+        }
+    }
+
+    /// Fit both collectives from a sweep of `(full bytes, us)` samples.
+    pub fn fit(
+        allgather: &[(u64, f64)],
+        reduce_scatter: &[(u64, f64)],
+        world: u32,
+    ) -> Result<Self> {
+        Ok(CostModel {
+            name: "fitted".into(),
+            world,
+            allgather: LinkModel::fit(allgather, world)?,
+            reduce_scatter: LinkModel::fit(reduce_scatter, world)?,
+        })
+    }
+
+    /// The same link models at another world size.
+    pub fn with_world(&self, world: u32) -> Self {
+        CostModel {
+            world,
+            ..self.clone()
+        }
+    }
+
+    pub fn from_json(s: &str) -> Result<Self> {
+        let m: CostModel = serde_json::from_str(s)
+            .map_err(|e| Error::Invalid(format!("invalid cost model JSON: {e}")))?;
+        for (what, l) in [
+            ("allgather", &m.allgather),
+            ("reduce_scatter", &m.reduce_scatter),
+        ] {
+            if !(l.latency_us.is_finite()
+                && l.latency_us >= 0.0
+                && l.bus_gbps.is_finite()
+                && l.bus_gbps > 0.0)
+            {
+                return Err(Error::Invalid(format!(
+                    "cost model {what}: latency_us must be >= 0 and bus_gbps > 0 (got {} and {})",
+                    l.latency_us, l.bus_gbps
+                )));
+            }
+        }
+        if m.world == 0 {
+            return Err(Error::InvalidWorldSize(0));
+        }
+        Ok(m)
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("CostModel serializes")
+    }
+
+    #[inline]
+    pub fn allgather_us(&self, bytes: u64) -> f64 {
+        self.allgather.time_us(bytes, self.world)
+    }
+
+    #[inline]
+    pub fn reduce_scatter_us(&self, bytes: u64) -> f64 {
+        self.reduce_scatter.time_us(bytes, self.world)
+    }
+
+    /// Largest fused all-gather payload whose transfer time is at most `factor` latencies: below it
+    /// a collective is latency-bound and fusing saves a real fraction of its cost.
+    pub fn allgather_latency_bound_bytes(&self, factor: f64) -> u64 {
+        let f = ring_factor(self.world);
+        if f == 0.0 {
+            return u64::MAX;
+        }
+        (factor * self.allgather.latency_us * self.allgather.bus_gbps * 1e3 / f) as u64
+    }
+}
+
+impl Default for CostModel {
+    fn default() -> Self {
+        Self::nvlink(MEASURED_WORLD)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fit_recovers_exact_line() {
+        let truth = LinkModel {
+            latency_us: 25.0,
+            bus_gbps: 40.0,
+        };
+        let s: Vec<(u64, f64)> = [1u64 << 16, 1 << 20, 1 << 24, 1 << 28]
+            .iter()
+            .map(|&b| (b, truth.time_us(b, 4)))
+            .collect();
+        let m = LinkModel::fit(&s, 4).unwrap();
+        assert!((m.latency_us - 25.0).abs() < 1e-6, "{m:?}");
+        assert!((m.bus_gbps - 40.0).abs() < 1e-6, "{m:?}");
+    }
+
+    #[test]
+    fn fit_rejects_degenerate_sweeps() {
+        assert!(LinkModel::fit(&[(1024, 10.0)], 2).is_err());
+        assert!(LinkModel::fit(&[(1024, 10.0), (2048, 9.0), (4096, 8.0)], 2).is_err());
+        assert!(LinkModel::fit(&[(1024, 10.0), (2048, 20.0)], 1).is_err());
+    }
+
+    #[test]
+    fn presets_match_measurements() {
+        let nop2p = CostModel::nop2p(2);
+        // Within 25% of every measured point (latency floor included).
+        for &(b, us) in NOP2P_2XH200_ALLGATHER.iter() {
+            let p = nop2p.allgather_us(b);
+            assert!((p - us).abs() / us < 0.25, "{b}: {p} vs {us}");
+        }
+        assert!(
+            (40.0..60.0).contains(&nop2p.allgather.alg_gbps(2)),
+            "{:?}",
+            nop2p.allgather
+        );
+        let nvl = CostModel::nvlink(2);
+        assert!(nvl.allgather.alg_gbps(2) > 300.0, "{:?}", nvl.allgather);
+        for &(b, us) in NVLINK_2XH200_ALLGATHER.iter().skip(3) {
+            let p = nvl.allgather_us(b);
+            assert!((p - us).abs() / us < 0.25, "{b}: {p} vs {us}");
+        }
+    }
+
+    #[test]
+    fn ring_scaling() {
+        let m = CostModel::nop2p(2);
+        let m8 = m.with_world(8);
+        let big = 1u64 << 30;
+        let t2 = m.allgather_us(big) - m.allgather.latency_us;
+        let t8 = m8.allgather_us(big) - m8.allgather.latency_us;
+        assert!((t8 / t2 - (7.0 / 8.0) / 0.5).abs() < 1e-9);
+        assert_eq!(m.with_world(1).allgather_us(big), 0.0);
+    }
+
+    #[test]
+    fn json_round_trip_and_validation() {
+        let m = CostModel::nop2p(2);
+        assert_eq!(CostModel::from_json(&m.to_json()).unwrap(), m);
+        let bad = r#"{"world":2,"allgather":{"latency_us":1,"bus_gbps":0},"reduce_scatter":{"latency_us":1,"bus_gbps":1}}"#;
+        assert!(CostModel::from_json(bad).is_err());
+    }
+}

@@ -1,0 +1,635 @@
+//! The `search` scheduler: a budget-aware list scheduler over a simulated clock, improved by a
+//! search over prefetch positions and bucket boundaries scored by the simulator.
+//!
+//! 1. **Base sequence.** The compute-stream program (every node but the all-gathers) in the
+//!    greedy baseline's order, with reduce-scatters hoisted right after their last dependency so
+//!    gradients free early. Each all-gather has a just-in-time slot (before its first user) and an
+//!    earliest slot (after its deps). With every gather just in time the sequence has the least
+//!    peak the planner knows; memory per slot lives in a range-add/range-max segment tree.
+//! 2. **List scheduling.** Walk the sequence with the simulator's clock. Before each slot, issue
+//!    the next all-gathers (FIFO in just-in-time order, as the comm stream runs them) while the
+//!    segment tree says the memory from this slot up to the gather's just-in-time slot stays
+//!    within the budget, optionally limited by a look-ahead horizon and by a memory-pressure rule
+//!    (past half the budget, issue only when the comm stream is idle). Gathers issued at one slot
+//!    form fused buckets while the comm model says they are latency-bound ([`FusePolicy`]).
+//!    With a FIFO comm stream, issuing a gather earlier never delays another one, so "as early as
+//!    the budget allows" is the latency-hiding choice; the horizon and pressure variants trade
+//!    some of it for a lower peak.
+//! 3. **Search.** The variants (fusion threshold × horizon × pressure) are each simulated; the
+//!    best is refined by a local search over bucket boundaries (split or merge the buckets whose
+//!    waits stall the compute stream), each move scored by the simulator, within an evaluation
+//!    budget that scales down with graph size.
+//! 4. **Never worse.** The greedy order competes too when it fits the budget: the result is the
+//!    best of all by (makespan, peak).
+
+use std::time::Instant;
+
+use super::buckets::FusePolicy;
+use super::graph::{NodeKind, Stream, NONE};
+use super::sim::{simulate_unchecked, validate, Problem, SimResult};
+use crate::error::{Error, Result};
+
+/// Range add / range max over slots.
+#[derive(Clone, Debug)]
+pub struct SegTree {
+    n: usize,
+    mx: Vec<i64>,
+    lz: Vec<i64>,
+}
+
+impl SegTree {
+    pub fn new(vals: &[i64]) -> Self {
+        let n = vals.len().max(1);
+        let mut t = SegTree {
+            n,
+            mx: vec![i64::MIN / 4; 4 * n],
+            lz: vec![0; 4 * n],
+        };
+        t.build(1, 0, n, vals);
+        t
+    }
+
+    fn build(&mut self, x: usize, l: usize, r: usize, vals: &[i64]) {
+        if r - l == 1 {
+            self.mx[x] = vals.get(l).copied().unwrap_or(i64::MIN / 4);
+            return;
+        }
+        let m = (l + r) / 2;
+        self.build(2 * x, l, m, vals);
+        self.build(2 * x + 1, m, r, vals);
+        self.mx[x] = self.mx[2 * x].max(self.mx[2 * x + 1]);
+    }
+
+    /// Add `v` to slots `[l, r)`.
+    pub fn add(&mut self, l: usize, r: usize, v: i64) {
+        if l < r {
+            self.add_rec(1, 0, self.n, l, r, v);
+        }
+    }
+
+    fn add_rec(&mut self, x: usize, xl: usize, xr: usize, l: usize, r: usize, v: i64) {
+        if r <= xl || xr <= l {
+            return;
+        }
+        if l <= xl && xr <= r {
+            self.mx[x] += v;
+            self.lz[x] += v;
+            return;
+        }
+        let m = (xl + xr) / 2;
+        self.add_rec(2 * x, xl, m, l, r, v);
+        self.add_rec(2 * x + 1, m, xr, l, r, v);
+        self.mx[x] = self.mx[2 * x].max(self.mx[2 * x + 1]) + self.lz[x];
+    }
+
+    /// Max over slots `[l, r)` (`i64::MIN/4` when empty).
+    pub fn max(&self, l: usize, r: usize) -> i64 {
+        if l >= r {
+            return i64::MIN / 4;
+        }
+        self.max_rec(1, 0, self.n, l, r)
+    }
+
+    fn max_rec(&self, x: usize, xl: usize, xr: usize, l: usize, r: usize) -> i64 {
+        if r <= xl || xr <= l {
+            return i64::MIN / 4;
+        }
+        if l <= xl && xr <= r {
+            return self.mx[x];
+        }
+        let m = (xl + xr) / 2;
+        self.max_rec(2 * x, xl, m, l, r)
+            .max(self.max_rec(2 * x + 1, m, xr, l, r))
+            + self.lz[x]
+    }
+}
+
+/// One list-scheduling variant.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Variant {
+    /// Fusion threshold in latencies (0: no fusion).
+    pub fuse_factor: f64,
+    /// Issue a gather only while the comm queue reaches at most this far ahead of the compute
+    /// clock (microseconds; infinite: as early as the budget allows).
+    pub horizon_us: f64,
+    /// Past half the budget, issue only when the comm stream is idle.
+    pub pressure: bool,
+}
+
+impl Variant {
+    pub fn label(&self) -> String {
+        let h = if self.horizon_us.is_finite() {
+            format!("{:.0}us", self.horizon_us)
+        } else {
+            "inf".into()
+        };
+        format!(
+            "fuse={} horizon={} pressure={}",
+            self.fuse_factor, h, self.pressure
+        )
+    }
+}
+
+/// The base sequence and everything derived from it, shared by all variants.
+struct Base {
+    seq: Vec<u32>,
+    /// Gathers in comm-stream (FIFO) order.
+    fifo: Vec<u32>,
+    jit: Vec<u32>,
+    earliest: Vec<u32>,
+    seg: SegTree,
+    peak: i64,
+}
+
+fn build_base(p: &Problem, greedy: &[u32]) -> Base {
+    let g = p.g;
+    let n = g.len();
+    // Compute-stream program in greedy order, reduce-scatters hoisted after their last dep.
+    let mut seq: Vec<u32> = greedy
+        .iter()
+        .copied()
+        .filter(|&v| !g.is_gather(v))
+        .collect();
+    {
+        let mut pos = vec![0usize; n];
+        for (k, &v) in seq.iter().enumerate() {
+            pos[v as usize] = k;
+        }
+        let mut keyed: Vec<(u64, u32)> = seq
+            .iter()
+            .enumerate()
+            .map(|(k, &v)| {
+                let key = if g.kind(v) == NodeKind::ReduceScatter {
+                    let last = g
+                        .deps(v)
+                        .iter()
+                        .filter(|&&d| !g.is_gather(d))
+                        .map(|&d| pos[d as usize])
+                        .max();
+                    match last {
+                        Some(l) => 2 * l as u64 + 1,
+                        None => 2 * k as u64,
+                    }
+                } else {
+                    2 * k as u64
+                };
+                (key, v)
+            })
+            .collect();
+        keyed.sort_by_key(|&(k, _)| k);
+        seq = keyed.into_iter().map(|(_, v)| v).collect();
+    }
+    let m = seq.len();
+    let mut pos = vec![NONE; n];
+    for (k, &v) in seq.iter().enumerate() {
+        pos[v as usize] = k as u32;
+    }
+    // Slot where each gather must be issued at the latest (before its first user) and earliest.
+    let mut jit = vec![NONE; n];
+    let mut earliest = vec![0u32; n];
+    let mut gathers: Vec<u32> = Vec::new();
+    // Greedy position fallback for gathers without users.
+    let mut seen_non_gathers = 0u32;
+    let mut greedy_slot = vec![0u32; n];
+    for &v in greedy {
+        if g.is_gather(v) {
+            greedy_slot[v as usize] = seen_non_gathers;
+        } else {
+            seen_non_gathers += 1;
+        }
+    }
+    for &v in g.topo.iter().rev() {
+        if !g.is_gather(v) {
+            continue;
+        }
+        gathers.push(v);
+        let mut j = NONE;
+        for &u in g.users(v) {
+            let pu = if g.is_gather(u) {
+                jit[u as usize]
+            } else {
+                pos[u as usize]
+            };
+            j = j.min(pu);
+        }
+        if j == NONE {
+            j = greedy_slot[v as usize].min(m as u32);
+        }
+        jit[v as usize] = j;
+        let mut e = 0u32;
+        for &d in g.deps(v) {
+            if !g.is_gather(d) {
+                e = e.max(pos[d as usize] + 1);
+            }
+        }
+        earliest[v as usize] = e.min(j);
+    }
+    gathers.sort_by_key(|&v| (jit[v as usize], g.topo_rank[v as usize]));
+    // Memory per slot with every gather just in time.
+    let mut vals = vec![0i64; m + 1];
+    let mut cur = g.base_bytes as i64;
+    let mut gi = 0usize;
+    for (k, val) in vals.iter_mut().enumerate() {
+        while gi < gathers.len() && jit[gathers[gi] as usize] as usize == k {
+            let a = &g.nodes[gathers[gi] as usize];
+            cur += a.alloc as i64 - a.free as i64;
+            gi += 1;
+        }
+        if k == m {
+            *val = cur;
+            break;
+        }
+        let node = &g.nodes[seq[k] as usize];
+        *val = cur + node.alloc as i64;
+        cur += node.alloc as i64 - node.free as i64;
+    }
+    // A gather's own allocation peak (before the slot's node) is covered: alloc >= 0 at the node.
+    let seg = SegTree::new(&vals);
+    let peak = seg.max(0, m + 1).max(g.base_bytes as i64);
+    Base {
+        seq,
+        fifo: gathers,
+        jit,
+        earliest,
+        seg,
+        peak,
+    }
+}
+
+/// List-schedule one variant: returns the order and the fused groups (>= 2 members).
+fn construct(p: &Problem, base: &Base, budget: i64, v: &Variant) -> (Vec<u32>, Vec<Vec<u32>>) {
+    let g = p.g;
+    let n = g.len();
+    let m = base.seq.len();
+    let policy = FusePolicy::from_cost(&p.cost, v.fuse_factor);
+    let mut seg = base.seg.clone();
+    let mut order = Vec::with_capacity(n);
+    let mut groups: Vec<Vec<u32>> = Vec::new();
+    let mut end = vec![0.0f64; n];
+    let mut free = [0.0f64; 3];
+    let c = Stream::Compute.index();
+    let agi = Stream::Allgather.index();
+    let mut j = 0usize;
+    let half = budget / 2;
+    for k in 0..=m {
+        let now = free[c];
+        // The bucket issued at this slot: (members, start, bytes).
+        let mut bucket: Vec<u32> = Vec::new();
+        let mut b_start = 0.0f64;
+        let mut b_bytes = 0u64;
+        while j < base.fifo.len() {
+            let x = base.fifo[j];
+            let jx = base.jit[x as usize] as usize;
+            let forced = jx <= k;
+            let alloc = g.nodes[x as usize].alloc as i64;
+            if !forced {
+                if base.earliest[x as usize] as usize > k {
+                    break;
+                }
+                if v.horizon_us.is_finite() && free[agi].max(now) - now > v.horizon_us {
+                    break;
+                }
+                if v.pressure && free[agi] > now && seg.max(k, k + 1) > half {
+                    break;
+                }
+                if seg.max(k, jx) + alloc > budget {
+                    break;
+                }
+            }
+            let mut ready = now;
+            for &d in g.deps(x) {
+                ready = ready.max(end[d as usize]);
+            }
+            let bytes = g.nodes[x as usize].bytes;
+            if !bucket.is_empty() && policy.fuse(b_bytes, bytes) {
+                bucket.push(x);
+                b_bytes += bytes;
+                b_start = b_start.max(ready);
+                let en = b_start + p.group_dur(&bucket);
+                for &y in &bucket {
+                    end[y as usize] = en;
+                }
+                free[agi] = en;
+            } else {
+                if bucket.len() > 1 {
+                    groups.push(std::mem::take(&mut bucket));
+                }
+                bucket.clear();
+                bucket.push(x);
+                b_bytes = bytes;
+                b_start = ready.max(free[agi]);
+                let en = b_start + p.dur[x as usize];
+                end[x as usize] = en;
+                free[agi] = en;
+            }
+            if !forced {
+                seg.add(k, jx, alloc);
+            }
+            order.push(x);
+            j += 1;
+        }
+        if bucket.len() > 1 {
+            groups.push(bucket);
+        }
+        if k == m {
+            break;
+        }
+        let y = base.seq[k];
+        let node = &g.nodes[y as usize];
+        let s = node.stream.index();
+        let mut ready = 0.0f64;
+        for &d in g.deps(y) {
+            ready = ready.max(end[d as usize]);
+        }
+        let ga = g.gather_of[y as usize];
+        if node.kind == NodeKind::Wait && ga != NONE {
+            ready = ready.max(end[ga as usize]);
+        }
+        if node.stream != Stream::Compute {
+            ready = ready.max(free[c]);
+        }
+        let st = ready.max(free[s]);
+        end[y as usize] = st + p.dur[y as usize];
+        free[s] = end[y as usize];
+        order.push(y);
+    }
+    (order, groups)
+}
+
+/// A scored candidate plan.
+#[derive(Clone, Debug)]
+pub struct Candidate {
+    pub order: Vec<u32>,
+    pub groups: Vec<Vec<u32>>,
+    pub sim: SimResult,
+    pub label: String,
+}
+
+fn better(a: &SimResult, b: &SimResult) -> bool {
+    // Makespans within a nanosecond count as equal; then the lower peak wins.
+    if (a.makespan_us - b.makespan_us).abs() > 1e-3 {
+        a.makespan_us < b.makespan_us
+    } else {
+        a.peak_bytes < b.peak_bytes
+    }
+}
+
+fn score(p: &Problem, order: Vec<u32>, groups: Vec<Vec<u32>>, label: String) -> Result<Candidate> {
+    let (group_of, _) = validate(p.g, &order, &groups)?;
+    let sim = simulate_unchecked(p, &order, &groups, &group_of, false);
+    Ok(Candidate {
+        order,
+        groups,
+        sim,
+        label,
+    })
+}
+
+/// Search options: how much simulator time the local search may spend.
+#[derive(Clone, Copy, Debug)]
+pub struct SearchOptions {
+    /// Maximum simulator evaluations of the local search (besides the variants).
+    pub max_evals: usize,
+    /// Stop the local search after it has run this long (seconds).
+    pub time_limit_s: f64,
+}
+
+impl SearchOptions {
+    /// Scaled to the graph: many evaluations for small graphs, few for huge ones.
+    pub fn for_size(n: usize) -> Self {
+        let max_evals = (200_000 / n.max(1)).clamp(2, 32);
+        SearchOptions {
+            max_evals,
+            time_limit_s: (n as f64 * 0.3e-6).clamp(1e-3, 0.05),
+        }
+    }
+}
+
+/// The variants tried for every graph.
+pub fn variants(n: usize) -> Vec<Variant> {
+    let inf = f64::INFINITY;
+    let mut v = vec![
+        Variant {
+            fuse_factor: 2.0,
+            horizon_us: inf,
+            pressure: false,
+        },
+        Variant {
+            fuse_factor: 0.0,
+            horizon_us: inf,
+            pressure: false,
+        },
+        Variant {
+            fuse_factor: 8.0,
+            horizon_us: inf,
+            pressure: false,
+        },
+        Variant {
+            fuse_factor: 2.0,
+            horizon_us: inf,
+            pressure: true,
+        },
+    ];
+    if n <= 5_000 {
+        v.push(Variant {
+            fuse_factor: 0.5,
+            horizon_us: inf,
+            pressure: false,
+        });
+        v.push(Variant {
+            fuse_factor: 32.0,
+            horizon_us: inf,
+            pressure: false,
+        });
+    }
+    v
+}
+
+/// A local move: a new order, new groups and what was done.
+type Move = (Vec<u32>, Vec<Vec<u32>>, &'static str);
+
+/// Local search over bucket boundaries: for the buckets (and lone gathers) whose waits stall the
+/// compute stream the most, try splitting the bucket in two, and pulling the next all-gather of
+/// the comm stream forward into it (an earlier prefetch of that gather, fused). Each move is
+/// scored by the simulator and kept if it is faster within the budget.
+fn refine_buckets(
+    p: &Problem,
+    best: &mut Candidate,
+    budget: u64,
+    opts: &SearchOptions,
+) -> Result<usize> {
+    let g = p.g;
+    let t0 = Instant::now();
+    let mut evals = 0usize;
+    let mut improved = true;
+    let out_of_time =
+        |evals: usize| evals >= opts.max_evals || t0.elapsed().as_secs_f64() >= opts.time_limit_s;
+    while improved && !out_of_time(evals) {
+        improved = false;
+        let n = g.len();
+        let mut group_of = vec![NONE; n];
+        for (gi, grp) in best.groups.iter().enumerate() {
+            for &m in grp {
+                group_of[m as usize] = gi as u32;
+            }
+        }
+        // Stall before each all-gather's wait.
+        let sim = &best.sim;
+        let mut stalls: Vec<(f64, u32)> = Vec::new();
+        for v in 0..n as u32 {
+            if !g.is_gather(v) {
+                continue;
+            }
+            let mut stall = 0.0f64;
+            for &u in g.users(v) {
+                if g.kind(u) == NodeKind::Wait {
+                    stall = stall.max(sim.end_us[v as usize] - sim.start_us[u as usize]);
+                }
+            }
+            if stall > 1e-6 {
+                stalls.push((stall, v));
+            }
+        }
+        stalls.sort_by(|a, b| b.0.total_cmp(&a.0));
+        let mut pos = vec![0usize; n];
+        for (k, &v) in best.order.iter().enumerate() {
+            pos[v as usize] = k;
+        }
+        for &(_, v) in stalls.iter().take(4) {
+            if out_of_time(evals) {
+                break;
+            }
+            let gi = group_of[v as usize];
+            let members: Vec<u32> = if gi == NONE {
+                vec![v]
+            } else {
+                best.groups[gi as usize].clone()
+            };
+            let mut moves: Vec<Move> = Vec::new();
+            // Split.
+            if members.len() >= 2 {
+                let mid = members.len() / 2;
+                let mut groups = best.groups.clone();
+                groups.swap_remove(gi as usize);
+                for part in [&members[..mid], &members[mid..]] {
+                    if part.len() >= 2 {
+                        groups.push(part.to_vec());
+                    }
+                }
+                moves.push((best.order.clone(), groups, "split"));
+            }
+            // Pull the preceding comm-stream gather's bucket together with this one: issue this
+            // bucket at the previous bucket's slot (an earlier prefetch), fused.
+            let first = members.iter().map(|&m| pos[m as usize]).min().unwrap();
+            if let Some(prev_pos) = (0..first).rev().find(|&k| g.is_gather(best.order[k])) {
+                let prev = best.order[prev_pos];
+                let pg = group_of[prev as usize];
+                let prev_members: Vec<u32> = if pg == NONE {
+                    vec![prev]
+                } else {
+                    best.groups[pg as usize].clone()
+                };
+                let last_prev = prev_members.iter().map(|&m| pos[m as usize]).max().unwrap();
+                let mut order: Vec<u32> = Vec::with_capacity(n);
+                let set: std::collections::HashSet<u32> = members.iter().copied().collect();
+                for (k, &x) in best.order.iter().enumerate() {
+                    if set.contains(&x) {
+                        continue;
+                    }
+                    order.push(x);
+                    if k == last_prev {
+                        order.extend(members.iter().copied());
+                    }
+                }
+                let mut groups: Vec<Vec<u32>> = best
+                    .groups
+                    .iter()
+                    .enumerate()
+                    .filter(|&(i, _)| i as u32 != gi && i as u32 != pg)
+                    .map(|(_, grp)| grp.clone())
+                    .collect();
+                let mut merged = prev_members.clone();
+                merged.extend(members.iter().copied());
+                groups.push(merged);
+                moves.push((order, groups, "pull"));
+            }
+            for (order, groups, what) in moves {
+                if out_of_time(evals) {
+                    break;
+                }
+                evals += 1;
+                if validate(g, &order, &groups).is_err()
+                    || super::sim::recount_peak(g, &order, &groups) > budget
+                {
+                    continue;
+                }
+                let cand = score(p, order, groups, format!("{} +{what}", best.label))?;
+                if better(&cand.sim, &best.sim) && cand.sim.peak_bytes <= budget {
+                    *best = cand;
+                    improved = true;
+                    break;
+                }
+            }
+            if improved {
+                break;
+            }
+        }
+    }
+    Ok(evals)
+}
+
+/// Outcome of the search, with what it tried.
+#[derive(Clone, Debug)]
+pub struct SearchResult {
+    pub best: Candidate,
+    /// Peak of the just-in-time base sequence (the least peak the planner knows for it).
+    pub base_peak: u64,
+    pub evals: usize,
+}
+
+/// Run the search within `budget`; `greedy` is the baseline order (and its simulation).
+pub fn search(
+    p: &Problem,
+    budget: u64,
+    greedy: &Candidate,
+    opts: &SearchOptions,
+) -> Result<SearchResult> {
+    let base = build_base(p, &greedy.order);
+
+    let base_peak = base.peak.max(0) as u64;
+    let minimal = base_peak.min(greedy.sim.peak_bytes);
+    if budget < minimal {
+        return Err(Error::BudgetInfeasible { budget, minimal });
+    }
+    let greedy_fits = greedy.sim.peak_bytes <= budget;
+    let mut best: Option<Candidate> = if greedy_fits {
+        Some(greedy.clone())
+    } else {
+        None
+    };
+    let mut evals = 0usize;
+    if base_peak <= budget {
+        let b = budget.min(i64::MAX as u64) as i64;
+        for v in variants(p.len()) {
+            let (order, groups) = construct(p, &base, b, &v);
+            let cand = score(p, order, groups, v.label())?;
+            evals += 1;
+            if cand.sim.peak_bytes > budget {
+                continue; // cannot happen by construction; never return an over-budget plan
+            }
+            if best.as_ref().is_none_or(|bst| better(&cand.sim, &bst.sim)) {
+                best = Some(cand);
+            }
+        }
+        if let Some(bst) = best.as_mut() {
+            evals += refine_buckets(p, bst, budget, opts)?;
+        }
+    }
+    let best =
+        best.expect("the greedy order or the base sequence fits a budget >= the minimal peak");
+    Ok(SearchResult {
+        best,
+        base_peak,
+        evals,
+    })
+}

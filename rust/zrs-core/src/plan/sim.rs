@@ -1,0 +1,321 @@
+//! The multi-stream simulator.
+//!
+//! Semantics (the runtime's, see DESIGN.md "Runtime"):
+//! - The order is program order. Each stream runs its nodes in program order; a node starts once
+//!   its stream is free and its deps have ended.
+//! - A collective (all-gather or reduce-scatter stream) also waits for the compute stream to reach
+//!   its program point: its output buffer is allocated there, and the comm stream waits on the
+//!   compute stream's event before reusing memory (FSDP and DeepCompile do the same). This is what
+//!   makes the prefetch position matter.
+//! - A wait ends no earlier than its all-gather.
+//! - A fused group is one all-gather issued at its first member's position, lasting the cost
+//!   model's time for the summed bytes; every member starts and ends with it.
+//! - Memory follows program order, as the caching allocator sees it: a node allocates, the peak
+//!   is taken, then it frees. A group allocates all its members at the issue point.
+//! - Exposed communication is `makespan - compute-stream busy time`: every idle gap of the
+//!   compute stream is a wait on a collective, and so is any collective tail after it.
+
+use serde::Serialize;
+
+use super::cost::CostModel;
+use super::graph::{Graph, NodeKind, Stream, NONE};
+use crate::error::{Error, Result};
+
+/// A graph with its cost model: the resolved duration of every node.
+#[derive(Clone, Debug)]
+pub struct Problem<'a> {
+    pub g: &'a Graph,
+    pub cost: CostModel,
+    /// Duration of each node alone (collectives from the cost model unless given).
+    pub dur: Vec<f64>,
+}
+
+impl<'a> Problem<'a> {
+    pub fn new(g: &'a Graph, cost: &CostModel) -> Self {
+        let dur = g
+            .nodes
+            .iter()
+            .map(|n| match (n.duration_us, n.kind) {
+                (Some(d), _) => d,
+                (None, NodeKind::Allgather) => cost.allgather_us(n.bytes),
+                (None, NodeKind::ReduceScatter) => cost.reduce_scatter_us(n.bytes),
+                (None, _) => 0.0,
+            })
+            .collect();
+        Problem {
+            g,
+            cost: cost.clone(),
+            dur,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.g.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.g.is_empty()
+    }
+
+    /// Duration of a fused all-gather of these members.
+    pub fn group_dur(&self, members: &[u32]) -> f64 {
+        if members.len() == 1 {
+            return self.dur[members[0] as usize];
+        }
+        let bytes: u64 = members
+            .iter()
+            .map(|&m| self.g.nodes[m as usize].bytes)
+            .sum();
+        self.cost.allgather_us(bytes)
+    }
+
+    /// Total compute-stream busy time (independent of the order).
+    pub fn compute_busy_us(&self) -> f64 {
+        (0..self.len())
+            .filter(|&v| self.g.nodes[v].stream == Stream::Compute)
+            .map(|v| self.dur[v])
+            .sum()
+    }
+}
+
+/// The simulated timeline of one plan.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct SimResult {
+    pub makespan_us: f64,
+    pub exposed_comm_us: f64,
+    pub compute_us: f64,
+    pub allgather_busy_us: f64,
+    pub reduce_scatter_busy_us: f64,
+    pub peak_bytes: u64,
+    /// Memory live after the last node.
+    pub end_bytes: i64,
+    pub start_us: Vec<f64>,
+    pub end_us: Vec<f64>,
+    /// Memory over time: (time, bytes) after each allocation and each free, in program order.
+    pub mem_t_us: Vec<f64>,
+    pub mem_bytes: Vec<i64>,
+}
+
+/// Check that `order` is a permutation and topological once every group is moved to its first
+/// member, and that groups are disjoint sets of all-gathers. Returns each node's group (or NONE)
+/// and its position.
+pub fn validate(g: &Graph, order: &[u32], groups: &[Vec<u32>]) -> Result<(Vec<u32>, Vec<u32>)> {
+    let n = g.len();
+    if order.len() != n {
+        return Err(Error::Invalid(format!(
+            "plan order has {} entries but the graph has {n} nodes",
+            order.len()
+        )));
+    }
+    let mut pos = vec![NONE; n];
+    for (k, &v) in order.iter().enumerate() {
+        if v as usize >= n {
+            return Err(Error::Invalid(format!(
+                "plan order names node #{v}, but the graph has {n} nodes"
+            )));
+        }
+        if pos[v as usize] != NONE {
+            return Err(Error::Invalid(format!(
+                "plan order lists node '{}' (#{v}) twice",
+                g.names[v as usize]
+            )));
+        }
+        pos[v as usize] = k as u32;
+    }
+    let mut group_of = vec![NONE; n];
+    let mut eff = pos.clone();
+    for (gi, grp) in groups.iter().enumerate() {
+        if grp.is_empty() {
+            return Err(Error::Invalid(format!("prefetch group {gi} is empty")));
+        }
+        let mut lead = u32::MAX;
+        for &m in grp {
+            if m as usize >= n {
+                return Err(Error::Invalid(format!(
+                    "prefetch group {gi} names node #{m}, but the graph has {n} nodes"
+                )));
+            }
+            if !g.is_gather(m) {
+                return Err(Error::Invalid(format!(
+                    "prefetch group {gi} contains '{}' (#{m}), which is not an all-gather",
+                    g.names[m as usize]
+                )));
+            }
+            if group_of[m as usize] != NONE {
+                return Err(Error::Invalid(format!(
+                    "all-gather '{}' (#{m}) is in two prefetch groups",
+                    g.names[m as usize]
+                )));
+            }
+            group_of[m as usize] = gi as u32;
+            lead = lead.min(pos[m as usize]);
+        }
+        for &m in grp {
+            eff[m as usize] = lead;
+        }
+    }
+    for v in 0..n as u32 {
+        for &d in g.deps(v) {
+            if eff[d as usize] >= eff[v as usize] {
+                return Err(Error::Invalid(format!(
+                    "plan order is not topological: '{}' (#{v}) is issued at position {} but its dependency '{}' (#{d}) \
+                     at position {}",
+                    g.names[v as usize], eff[v as usize], g.names[d as usize], eff[d as usize]
+                )));
+            }
+        }
+    }
+    Ok((group_of, pos))
+}
+
+/// Simulate a plan; validates it first.
+pub fn simulate(p: &Problem, order: &[u32], groups: &[Vec<u32>]) -> Result<SimResult> {
+    let (group_of, _pos) = validate(p.g, order, groups)?;
+    Ok(simulate_unchecked(p, order, groups, &group_of, true))
+}
+
+/// Simulate a plan already known to be valid. `timeline` keeps the memory series.
+pub fn simulate_unchecked(
+    p: &Problem,
+    order: &[u32],
+    groups: &[Vec<u32>],
+    group_of: &[u32],
+    timeline: bool,
+) -> SimResult {
+    let g = p.g;
+    let n = g.len();
+    let mut start = vec![0.0f64; n];
+    let mut end = vec![0.0f64; n];
+    let mut done = vec![false; n];
+    let mut free = [0.0f64; 3];
+    let mut busy = [0.0f64; 3];
+    let mut cur: i64 = g.base_bytes as i64;
+    let mut peak: i64 = cur;
+    let mut t_prog = 0.0f64;
+    let cap = if timeline { 2 * n } else { 0 };
+    let mut mem_t = Vec::with_capacity(cap);
+    let mut mem_b = Vec::with_capacity(cap);
+    let mut makespan = 0.0f64;
+    for &v in order {
+        let vi = v as usize;
+        if done[vi] {
+            continue; // a non-leading member of a group already issued
+        }
+        let gi = group_of.get(vi).copied().unwrap_or(NONE);
+        let (alloc, freed);
+        if gi != NONE {
+            let members = &groups[gi as usize];
+            let mut ready = free[Stream::Compute.index()];
+            for &m in members {
+                for &d in g.deps(m) {
+                    ready = ready.max(end[d as usize]);
+                }
+            }
+            let s = Stream::Allgather.index();
+            let st = ready.max(free[s]);
+            let dur = p.group_dur(members);
+            let en = st + dur;
+            free[s] = en;
+            busy[s] += dur;
+            let (mut a, mut f) = (0u64, 0u64);
+            for &m in members {
+                start[m as usize] = st;
+                end[m as usize] = en;
+                done[m as usize] = true;
+                a += g.nodes[m as usize].alloc;
+                f += g.nodes[m as usize].free;
+            }
+            alloc = a;
+            freed = f;
+            t_prog = t_prog.max(free[Stream::Compute.index()]);
+            makespan = makespan.max(en);
+        } else {
+            let node = &g.nodes[vi];
+            let s = node.stream.index();
+            let mut ready = 0.0f64;
+            for &d in g.deps(v) {
+                ready = ready.max(end[d as usize]);
+            }
+            let ga = g.gather_of[vi];
+            if node.kind == NodeKind::Wait && ga != NONE {
+                ready = ready.max(end[ga as usize]);
+            }
+            if node.stream != Stream::Compute {
+                ready = ready.max(free[Stream::Compute.index()]);
+                t_prog = t_prog.max(free[Stream::Compute.index()]);
+            }
+            let st = ready.max(free[s]);
+            let en = st + p.dur[vi];
+            free[s] = en;
+            busy[s] += p.dur[vi];
+            start[vi] = st;
+            end[vi] = en;
+            done[vi] = true;
+            if node.stream == Stream::Compute {
+                t_prog = t_prog.max(st);
+            }
+            alloc = node.alloc;
+            freed = node.free;
+            makespan = makespan.max(en);
+        }
+        cur += alloc as i64;
+        peak = peak.max(cur);
+        if timeline {
+            mem_t.push(t_prog);
+            mem_b.push(cur);
+        }
+        cur -= freed as i64;
+        if timeline && freed != 0 {
+            mem_t.push(t_prog);
+            mem_b.push(cur);
+        }
+    }
+    let compute = busy[Stream::Compute.index()];
+    SimResult {
+        makespan_us: makespan,
+        exposed_comm_us: (makespan - compute).max(0.0),
+        compute_us: compute,
+        allgather_busy_us: busy[Stream::Allgather.index()],
+        reduce_scatter_busy_us: busy[Stream::ReduceScatter.index()],
+        peak_bytes: peak.max(0) as u64,
+        end_bytes: cur,
+        start_us: start,
+        end_us: end,
+        mem_t_us: mem_t,
+        mem_bytes: mem_b,
+    }
+}
+
+/// Peak memory of an order by a direct recount (no timing): used by tests and the search.
+pub fn recount_peak(g: &Graph, order: &[u32], groups: &[Vec<u32>]) -> u64 {
+    let n = g.len();
+    let mut lead_alloc = vec![0u64; n];
+    let mut lead_free = vec![0u64; n];
+    let mut in_group = vec![false; n];
+    let mut pos = vec![0usize; n];
+    for (k, &v) in order.iter().enumerate() {
+        pos[v as usize] = k;
+    }
+    for grp in groups {
+        let lead = *grp.iter().min_by_key(|&&m| pos[m as usize]).unwrap();
+        for &m in grp {
+            in_group[m as usize] = true;
+        }
+        lead_alloc[lead as usize] = grp.iter().map(|&m| g.nodes[m as usize].alloc).sum();
+        lead_free[lead as usize] = grp.iter().map(|&m| g.nodes[m as usize].free).sum();
+    }
+    let mut cur = g.base_bytes as i64;
+    let mut peak = cur;
+    for &v in order {
+        let node = &g.nodes[v as usize];
+        let (a, f) = if in_group[v as usize] {
+            (lead_alloc[v as usize], lead_free[v as usize])
+        } else {
+            (node.alloc, node.free)
+        };
+        cur += a as i64;
+        peak = peak.max(cur);
+        cur -= f as i64;
+    }
+    peak.max(0) as u64
+}

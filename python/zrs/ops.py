@@ -48,7 +48,9 @@ _KEY = "CompositeExplicitAutograd"
 
 def _impl(name: str):
     def deco(fn):
-        LIB.impl(name, fn, _KEY)
+        # Kernels run eagerly in graph-break regions while dynamo's frame hook is live; keep
+        # dynamo from trying to trace the runtime's Python.
+        LIB.impl(name, torch.compiler.disable(fn, recursive=True), _KEY)
         return fn
 
     return deco

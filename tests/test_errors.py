@@ -1,0 +1,92 @@
+"""Bad input gets a clear ZrsError that names the problem and the fix, and loses no state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zrs
+from _dist import run_workers
+
+
+class NoParams(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+def test_model_without_parameters():
+    with pytest.raises(zrs.ZrsError, match="has no parameters"):
+        zrs.compile(NoParams())
+
+
+def test_unknown_backend_leaves_the_model_untouched():
+    model = nn.Linear(3, 4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(zrs.ZrsError, match="unknown backend 'tvm'"):
+        zrs.compile(model, backend="tvm")
+    assert type(model) is nn.Linear
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k])
+
+
+def test_compile_before_init_process_group(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = nn.Linear(3, 4)
+    with pytest.raises(zrs.ZrsError, match=r"before torch\.distributed\.init_process_group"):
+        zrs.compile(model)
+    assert model.weight.shape == (4, 3), "the model must not be sharded after the error"
+
+
+def test_compiling_twice_is_refused():
+    model = zrs.compile(nn.Linear(3, 4), backend="eager")
+    with pytest.raises(zrs.ZrsError, match="already sharded"):
+        zrs.compile(model)
+
+
+def test_meta_model_without_reset_parameters():
+    class Bare(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(3))
+
+        def forward(self, x):
+            return x * self.w
+
+    with torch.device("meta"):
+        model = Bare()
+    with pytest.raises(zrs.ZrsError, match="init_fn"):
+        zrs.compile(model)
+
+
+class RankDependent(nn.Module):
+    """Control flow that depends on the rank: each rank traces a different graph."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.extra = rank == 1
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.extra:
+            y = torch.tanh(y)
+        return y.sum()
+
+
+def _diverging_graphs(rank: int, world: int, backend: str) -> str:
+    torch.manual_seed(0)
+    model = zrs.compile(RankDependent(rank), backend=backend)
+    try:
+        model(torch.randn(2, 4)).backward()
+    except Exception as exc:  # dynamo wraps backend errors; the message carries ours
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_ranks_with_different_graphs_raise_instead_of_hanging(backend):
+    messages = run_workers(_diverging_graphs, 2, backend, timeout=600)
+    for msg in messages:
+        assert "ranks captured different forward graph 0" in msg, msg
+        assert "first difference is node #" in msg and "rank 1" in msg, msg

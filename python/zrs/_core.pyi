@@ -76,3 +76,43 @@ class Registry:
     def __contains__(self, ds_id: int, /) -> bool: ...
     def total_numel(self) -> int: ...
     def total_shard_numel(self) -> int: ...
+
+# --- planner (rust/zrs-core/src/plan; JSON in, JSON out, one call per graph) ---
+
+def plan_graph(
+    graph_json: str,
+    scheduler: Literal["greedy", "search"] = "search",
+    budget_bytes: int | None = None,
+    cost: str | None = None,
+    detail: bool = True,
+) -> str:
+    """Plan one planner-IR graph. ``cost``: "nvlink", "nop2p" or a cost-model JSON object.
+
+    Returns JSON: order, groups (fused all-gathers), makespan_us, exposed_comm_us, peak_bytes,
+    budget_bytes, within_budget, plan_us; with ``detail`` also start_us/end_us per node and the
+    memory series mem_t_us/mem_bytes. Raises ZrsError for invalid graphs and infeasible budgets.
+    """
+
+def compare_plans(graph_json: str, budget_bytes: int | None = None, cost: str | None = None) -> str:
+    """Both schedulers; JSON with nodes, plan_ms, budget_bytes and greedy/search summaries."""
+
+def chrome_trace(
+    graph_json: str,
+    scheduler: Literal["greedy", "search"] = "search",
+    budget_bytes: int | None = None,
+    cost: str | None = None,
+) -> str:
+    """Plan and return the Chrome-trace (Perfetto) JSON of the plan."""
+
+def synthetic_graph(n_nodes: int = 0, preset: str = "1b", world: int = 2) -> str:
+    """A synthetic transformer training graph (planner IR JSON) of about ``n_nodes`` nodes."""
+
+def cost_model(preset: str = "nvlink", world: int = 2) -> str:
+    """A preset cost model as JSON: "nvlink" or "nop2p" (measured on 2xH200)."""
+
+def fit_cost_model(
+    allgather: Sequence[tuple[int, float]],
+    reduce_scatter: Sequence[tuple[int, float]],
+    world: int,
+) -> str:
+    """Fit latency + bytes/bandwidth from (full bytes, microseconds) samples; JSON."""

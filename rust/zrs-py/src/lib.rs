@@ -4,11 +4,13 @@
 use pyo3::prelude::*;
 
 mod error;
+mod plan;
 mod registry;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     error::register(m)?;
     registry::register(m)?;
+    plan::register(m)?;
     Ok(())
 }

@@ -222,6 +222,59 @@ pub fn compare(g: &Graph, budget: Option<u64>, cost: &CostModel) -> Result<(Plan
     Ok((greedy, search))
 }
 
+/// JSON boundary for `python -m zrs.plan`: both schedulers on one graph, one JSON object with
+/// `nodes`, `plan_ms` (the search's planning time, greedy baseline included), `budget_bytes`, and
+/// for `greedy` and `search` each `makespan_ms`, `peak_bytes`, `exposed_comm_ms` (and a few more).
+pub fn compare_json(graph_json: &str, budget: Option<u64>, cost: Option<&str>) -> Result<String> {
+    let g = Graph::from_json(graph_json)?;
+    let cost = cost_for(&g, cost)?;
+    let (gr, se) = compare(&g, budget, &cost)?;
+    let side = |p: &Plan| {
+        json!({
+            "makespan_ms": p.sim.makespan_us / 1e3,
+            "peak_bytes": p.sim.peak_bytes,
+            "exposed_comm_ms": p.sim.exposed_comm_us / 1e3,
+            "compute_ms": p.sim.compute_us / 1e3,
+            "groups": p.groups.len(),
+            "within_budget": p.within_budget,
+            "plan_ms": p.plan_us / 1e3,
+            "variant": p.variant,
+        })
+    };
+    Ok(json!({
+        "nodes": g.len(),
+        "plan_ms": se.plan_us / 1e3,
+        "budget_bytes": se.budget_bytes,
+        "cost_model": cost.name,
+        "world": cost.world,
+        "greedy": side(&gr),
+        "search": side(&se),
+    })
+    .to_string())
+}
+
+/// JSON boundary: plan a graph and return its Chrome trace (Perfetto) as JSON.
+pub fn chrome_trace_json(
+    graph_json: &str,
+    scheduler: &str,
+    budget: Option<u64>,
+    cost: Option<&str>,
+) -> Result<String> {
+    let g = Graph::from_json(graph_json)?;
+    let cost = cost_for(&g, cost)?;
+    let plan = plan(&g, scheduler.parse()?, budget, &cost)?;
+    Ok(trace::chrome_trace(&g, &plan).to_string())
+}
+
+/// JSON boundary: a synthetic transformer graph (see [`synth`]).
+pub fn synthetic_graph_json(n_nodes: usize, preset: &str, world: u32) -> Result<String> {
+    if world == 0 {
+        return Err(Error::InvalidWorldSize(0));
+    }
+    let p = synth::Preset::by_name(preset)?;
+    Ok(synth::synthetic_graph(&p, n_nodes, world).to_json())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -291,6 +344,28 @@ mod tests {
         assert!(matches!(e, Error::ReleaseWithoutGather(4)), "{e}");
         let e = plan_json(r#"{"nodes":[]}"#, "beam", None, None, false).unwrap_err();
         assert!(e.to_string().contains("unknown scheduler"), "{e}");
+    }
+
+    #[test]
+    fn compare_and_trace_json() {
+        let g = synthetic_graph_json(0, "tiny", 2).unwrap();
+        let v: Value =
+            serde_json::from_str(&compare_json(&g, None, Some("nop2p")).unwrap()).unwrap();
+        for k in ["nodes", "plan_ms", "budget_bytes"] {
+            assert!(!v[k].is_null(), "{k}");
+        }
+        for side in ["greedy", "search"] {
+            for k in ["makespan_ms", "peak_bytes", "exposed_comm_ms"] {
+                assert!(v[side][k].is_number(), "{side}.{k}");
+            }
+        }
+        assert!(v["search"]["makespan_ms"].as_f64() <= v["greedy"]["makespan_ms"].as_f64());
+        let t: Value =
+            serde_json::from_str(&chrome_trace_json(&g, "search", None, None).unwrap()).unwrap();
+        let ev = t["traceEvents"].as_array().unwrap();
+        assert!(ev.iter().any(|e| e["ph"] == "X" && e["tid"] == 1));
+        assert!(ev.iter().any(|e| e["ph"] == "C" && e["name"] == "memory"));
+        assert!(synthetic_graph_json(10, "nope", 2).is_err());
     }
 
     #[test]

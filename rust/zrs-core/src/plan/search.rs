@@ -273,6 +273,12 @@ fn construct(p: &Problem, base: &Base, budget: i64, v: &Variant) -> (Vec<u32>, V
     let half = budget / 2;
     for k in 0..=m {
         let now = free[c];
+        // Compute time until the next slot (an estimate: the node may also wait on a gather).
+        let step = if k < m && g.nodes[base.seq[k] as usize].stream == Stream::Compute {
+            p.dur[base.seq[k] as usize]
+        } else {
+            0.0
+        };
         // The bucket issued at this slot: (members, start, bytes).
         let mut bucket: Vec<u32> = Vec::new();
         let mut b_start = 0.0f64;
@@ -286,13 +292,17 @@ fn construct(p: &Problem, base: &Base, budget: i64, v: &Variant) -> (Vec<u32>, V
                 if base.earliest[x as usize] as usize > k {
                     break;
                 }
-                if v.horizon_us.is_finite() && free[agi].max(now) - now > v.horizon_us {
-                    break;
-                }
-                if v.pressure && free[agi] > now && seg.max(k, k + 1) > half {
-                    break;
-                }
                 if seg.max(k, jx) + alloc > budget {
+                    break;
+                }
+                // A latency-bound gather may always ride along with the bucket being issued.
+                let rides = !bucket.is_empty() && policy.fuse(b_bytes, g.nodes[x as usize].bytes);
+                // Horizon: the comm queue already reaches past the next slot by this much.
+                let queued = free[agi].max(now) - now - step;
+                if !rides && v.horizon_us.is_finite() && queued > v.horizon_us {
+                    break;
+                }
+                if !rides && v.pressure && free[agi] > now && seg.max(k, k + 1) > half {
                     break;
                 }
             }
@@ -400,7 +410,7 @@ impl SearchOptions {
         let max_evals = (200_000 / n.max(1)).clamp(2, 32);
         SearchOptions {
             max_evals,
-            time_limit_s: (n as f64 * 0.3e-6).clamp(1e-3, 0.05),
+            time_limit_s: (n as f64 * 0.15e-6).clamp(1e-3, 0.03),
         }
     }
 }
@@ -408,41 +418,29 @@ impl SearchOptions {
 /// The variants tried for every graph.
 pub fn variants(n: usize) -> Vec<Variant> {
     let inf = f64::INFINITY;
-    let mut v = vec![
-        Variant {
-            fuse_factor: 2.0,
-            horizon_us: inf,
-            pressure: false,
-        },
-        Variant {
-            fuse_factor: 0.0,
-            horizon_us: inf,
-            pressure: false,
-        },
-        Variant {
-            fuse_factor: 8.0,
-            horizon_us: inf,
-            pressure: false,
-        },
-        Variant {
-            fuse_factor: 2.0,
-            horizon_us: inf,
-            pressure: true,
-        },
+    let v = |fuse_factor: f64, horizon_us: f64, pressure: bool| Variant {
+        fuse_factor,
+        horizon_us,
+        pressure,
+    };
+    // As early as the budget allows (with and without buckets), "lazy" (issue only when the comm
+    // stream would otherwise idle before the next slot: the same overlap for less memory), and
+    // the memory-pressure rule.
+    let mut out = vec![
+        v(2.0, inf, false),
+        v(0.0, inf, false),
+        v(2.0, 0.0, false),
+        v(2.0, inf, true),
     ];
     if n <= 5_000 {
-        v.push(Variant {
-            fuse_factor: 0.5,
-            horizon_us: inf,
-            pressure: false,
-        });
-        v.push(Variant {
-            fuse_factor: 32.0,
-            horizon_us: inf,
-            pressure: false,
-        });
+        out.extend([
+            v(8.0, inf, false),
+            v(0.5, inf, false),
+            v(32.0, inf, false),
+            v(0.0, 0.0, false),
+        ]);
     }
-    v
+    out
 }
 
 /// A local move: a new order, new groups and what was done.
@@ -610,9 +608,30 @@ pub fn search(
     let mut evals = 0usize;
     if base_peak <= budget {
         let b = budget.min(i64::MAX as u64) as i64;
-        for v in variants(p.len()) {
-            let (order, groups) = construct(p, &base, b, &v);
-            let cand = score(p, order, groups, v.label())?;
+        let vs = variants(p.len());
+        let run = |v: &Variant| -> Result<Candidate> {
+            let (order, groups) = construct(p, &base, b, v);
+            score(p, order, groups, v.label())
+        };
+        // The variants are independent: run them on the cores there are.
+        let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
+        let cands: Vec<Result<Candidate>> = if threads > 1 && p.len() >= 2_000 {
+            let chunk = vs.len().div_ceil(threads.min(vs.len()));
+            std::thread::scope(|sc| {
+                let handles: Vec<_> = vs
+                    .chunks(chunk)
+                    .map(|part| sc.spawn(move || part.iter().map(run).collect::<Vec<_>>()))
+                    .collect();
+                handles
+                    .into_iter()
+                    .flat_map(|h| h.join().expect("planner variant thread panicked"))
+                    .collect()
+            })
+        } else {
+            vs.iter().map(run).collect()
+        };
+        for cand in cands {
+            let cand = cand?;
             evals += 1;
             if cand.sim.peak_bytes > budget {
                 continue; // cannot happen by construction; never return an over-budget plan

@@ -1,0 +1,174 @@
+"""zrs-sharded training matches unsharded training (DESIGN.md, "Testing").
+
+For each world size and backend, one group of gloo workers trains every zoo model in turn with
+``zrs.compile`` and SGD with momentum, each rank on its own batches, and gathers the parameters
+with ``zrs.full_state_dict``. Running the whole zoo in one group pays for process start-up once
+per (world size, backend); the tests below then read that group's results per model, so every
+model still passes or fails on its own. The reference trains the unsharded model in this process,
+averaging the gradients of the ranks' batches at each step.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+from _dist import cached_run, reemit_warnings
+from zoo import (
+    ZOO,
+    Case,
+    Reference,
+    case_outcome,
+    compare_params,
+    run_cases,
+    train_reference,
+    unexpected_graph_breaks,
+)
+
+WORLD_SIZES = (1, 2, 3)
+BACKENDS = ("eager", "inductor")
+MODELS = tuple(ZOO)
+
+# fp32 end to end: sharding, gathering and the pre-divided reduce-scatter only change the order
+# of a few additions (and inductor may fuse differently), so after three steps the parameters
+# agree to a few ulp of their magnitude; these bounds are ~50x that.
+RTOL, ATOL = 1e-5, 1e-6
+# The recorded losses additionally go through .item() and a sum of a handful of terms.
+LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-6
+
+PARAMS = [
+    pytest.param(backend, world, model, id=f"{backend}-w{world}-{model}")
+    for backend in BACKENDS
+    for world in WORLD_SIZES
+    for model in MODELS
+]
+
+
+def _cases(backend: str) -> list[Case]:
+    # The first case uses the default process group (process_group=None), the others a fresh
+    # group each (see Case.default_group).
+    return [Case(model, backend, default_group=i == 0) for i, model in enumerate(MODELS)]
+
+
+def _group(backend: str, world: int) -> list[dict[str, dict]]:
+    return cached_run(("correctness", backend, world), run_cases, world, _cases(backend))
+
+
+@functools.cache
+def _reference(model: str, world: int) -> Reference:
+    return train_reference(ZOO[model], world)
+
+
+def _run(backend: str, world: int, model: str) -> tuple[list[dict], Reference]:
+    per_rank = case_outcome(_group(backend, world), Case(model, backend).key)
+    return per_rank, _reference(model, world)
+
+
+@pytest.mark.parametrize(("backend", "world", "model"), PARAMS)
+def test_matches_reference(backend: str, world: int, model: str) -> None:
+    per_rank, ref = _run(backend, world, model)
+    spec = ZOO[model]
+    state = per_rank[0]["state"]
+    problems = []
+
+    for rank, r in enumerate(per_rank):
+        for step, (got, exp) in enumerate(zip(r["losses"], ref.losses, strict=True)):
+            if not math.isclose(got, exp[rank], rel_tol=LOSS_RTOL, abs_tol=LOSS_ATOL):
+                problems.append(f"loss of rank {rank} at step {step}: {got!r} != {exp[rank]!r}")
+
+    problems += compare_params(state, ref.final, rtol=RTOL, atol=ATOL)
+
+    for name in spec.frozen:
+        if name in state and not torch.equal(state[name], ref.init[name]):
+            problems.append(f"{name}: frozen but changed")
+    for names in spec.tied:
+        present = [n for n in names if n in state]
+        if any(not torch.equal(state[present[0]], state[n]) for n in present[1:]):
+            problems.append(f"tied parameters {present} differ from each other")
+
+    if problems:
+        pytest.fail(
+            f"{model} (world {world}, backend {backend}) differs from the unsharded reference "
+            f"after {len(ref.losses)} SGD-momentum steps (rtol={RTOL}, atol={ATOL}):\n  "
+            + "\n  ".join(problems),
+            pytrace=False,
+        )
+    for rank, r in enumerate(per_rank):
+        reemit_warnings(r["warnings"], where=f"rank {rank}, {model}")
+
+
+@pytest.mark.parametrize(("backend", "world", "model"), PARAMS)
+def test_full_state_dict_contract(backend: str, world: int, model: str) -> None:
+    """compile returns the same object; full_state_dict is keyed like model.state_dict() and
+    gives the same parameters on every rank."""
+    per_rank, ref = _run(backend, world, model)
+    assert all(r["returned_same_object"] for r in per_rank), "zrs.compile returned a new object"
+    keys = list(per_rank[0]["state"])
+    assert sorted(keys) == sorted(ref.state_dict_keys), (
+        f"missing {sorted(set(ref.state_dict_keys) - set(keys))}, "
+        f"unexpected {sorted(set(keys) - set(ref.state_dict_keys))}"
+    )
+    for rank, r in enumerate(per_rank[1:], start=1):
+        differ = [
+            name
+            for name in ref.final
+            if not torch.equal(r["state"][name], per_rank[0]["state"][name])
+        ]
+        assert not differ, f"rank {rank}'s full_state_dict differs from rank 0's in {differ}"
+
+
+@pytest.mark.parametrize(("backend", "world", "model"), PARAMS)
+def test_parameters_are_sharded(backend: str, world: int, model: str) -> None:
+    """model.parameters() yields fp32 shards: one per distinct parameter (tied ones count once),
+    each ceil(numel / world) elements, keeping requires_grad."""
+    per_rank, ref = _run(backend, world, model)
+
+    def order(t: tuple) -> tuple:
+        return (t[0], str(t[1]), t[2])
+
+    expected = sorted(
+        ((math.ceil(n / world), torch.float32, rg) for n, rg in ref.params), key=order
+    )
+    for rank, r in enumerate(per_rank):
+        got = sorted(r["local_params"], key=order)
+        assert got == expected, (
+            f"rank {rank}: local parameters (numel, dtype, requires_grad) {got}, "
+            f"expected {expected}"
+        )
+
+
+@pytest.mark.parametrize(("backend", "world", "model"), PARAMS)
+def test_compiled_by_zrs(backend: str, world: int, model: str) -> None:
+    """The zrs backend compiled the whole forward: one graph per frame and no graph break
+    except the model's explicit one. (When a backend fails on a graph, dynamo falls back with a
+    graph break and runs the code eagerly: the numbers would still match the reference.)"""
+    per_rank, _ = _run(backend, world, model)
+    spec = ZOO[model]
+    expected_graphs = 2 if spec.explicit_graph_break else 1
+    for rank, r in enumerate(per_rank):
+        bad = unexpected_graph_breaks(spec, r["graph_breaks"])
+        assert not bad, f"rank {rank}: unexpected graph break(s):\n" + "\n---\n".join(bad)
+        assert r["graphs"] == expected_graphs, (
+            f"rank {rank}: dynamo compiled {r['graphs']} graph(s), expected {expected_graphs}"
+        )
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"w{w}")
+@pytest.mark.parametrize("model", MODELS)
+def test_reference_moves_every_trainable_parameter(model: str, world: int) -> None:
+    """Guards the test itself: every trainable parameter changes by more than the tolerance,
+    frozen ones not at all, and training is deterministic."""
+    spec = ZOO[model]
+    ref = _reference(model, world)
+    for name, final in ref.final.items():
+        init = ref.init[name]
+        if name in spec.frozen:
+            assert torch.equal(final, init), name
+        else:
+            assert (final - init).abs().max() > 100 * (ATOL + RTOL * init.abs().max()), name
+    again = train_reference(spec, world)
+    for name in ref.final:
+        assert torch.equal(again.final[name], ref.final[name]), f"{name} is not deterministic"

@@ -1,0 +1,116 @@
+"""Mixed precision: param_dtype=bfloat16 (fp32 reduce, fp32 master shards) against an unsharded
+reference that runs its forward under torch.autocast("cpu", dtype=torch.bfloat16) and averages the
+per-rank gradients. Same group-of-workers layout as test_correctness.py."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+from _dist import cached_run, reemit_warnings
+from zoo import (
+    ZOO,
+    Case,
+    Reference,
+    case_outcome,
+    compare_params,
+    run_cases,
+    train_reference,
+    unexpected_graph_breaks,
+)
+
+WORLD_SIZES = (1, 2)
+BACKENDS = ("eager", "inductor")
+MODELS = ("mlp", "gpt_tied")
+
+# Tolerance. bf16 keeps 8 significant bits (eps = 2**-8 ~ 3.9e-3, about 2-3 decimal digits), so
+# every gradient carries ~0.4% relative rounding error that compounds through the layers. The two
+# sides are also not the same bf16 computation: zrs runs the whole forward in bf16 (layer norm,
+# softmax, the loss inputs), autocast keeps those ops in fp32. Emulating zrs's bf16 semantics in
+# one process against this reference gave, after 3 steps, at most 7e-4 absolute difference on any
+# GPT parameter and 1.4% of the norm of a parameter's update (the MLP: exact). The bounds below
+# leave about 3x margin, and stay far below what a real bug does: a wrong scale (e.g. no
+# pre-divide) or a mixed-up shard is off by >= 50% of the update. The master weights are fp32 in
+# both, so only the updates (up to ~6e-2) carry bf16 noise; the norm bound is the sharp one for
+# parameters with small updates (layer norms), the elementwise one catches a few bad elements.
+# bf16 vs fp32 training differs by only ~1% of the update, so these bounds cannot tell whether the
+# forward really ran in bf16: the test checks the model's output dtype for that.
+ATOL, RTOL = 2e-3, 0.0
+UPDATE_RTOL = 0.05  # ||(p_zrs - p0) - (p_ref - p0)|| <= UPDATE_RTOL * ||p_ref - p0||, per tensor
+LOSS_RTOL = 1e-2  # a mean of bf16 terms: ~2**-8 relative error, with 2.5x margin
+
+PARAMS = [
+    pytest.param(backend, world, model, id=f"{backend}-w{world}-{model}-bf16")
+    for backend in BACKENDS
+    for world in WORLD_SIZES
+    for model in MODELS
+]
+
+
+def _case(backend: str, model: str) -> Case:
+    return Case(model, backend, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _group(backend: str, world: int) -> list[dict[str, dict]]:
+    cases = [_case(backend, m) for m in MODELS]
+    return cached_run(("mixed_precision", backend, world), run_cases, world, cases)
+
+
+@functools.cache
+def _reference(model: str, world: int) -> Reference:
+    return train_reference(ZOO[model], world, autocast_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(("backend", "world", "model"), PARAMS)
+def test_bf16_matches_autocast_reference(backend: str, world: int, model: str) -> None:
+    per_rank = case_outcome(_group(backend, world), _case(backend, model).key)
+    ref = _reference(model, world)
+    state = per_rank[0]["state"]
+    problems = []
+
+    for rank, r in enumerate(per_rank):
+        for reason in unexpected_graph_breaks(ZOO[model], r["graph_breaks"]):
+            problems.append(f"rank {rank}: graph break (zrs compiled path not used): {reason}")
+        if r["output_dtypes"] != [torch.bfloat16]:
+            problems.append(f"rank {rank}: model output dtypes {r['output_dtypes']}, not bf16")
+        for step, (got, exp) in enumerate(zip(r["losses"], ref.losses, strict=True)):
+            if not math.isclose(got, exp[rank], rel_tol=LOSS_RTOL):
+                problems.append(f"loss of rank {rank} at step {step}: {got!r} != {exp[rank]!r}")
+
+    # fp32 master weights: compare_params also checks that full_state_dict gives fp32 tensors.
+    problems += compare_params(state, ref.final, rtol=RTOL, atol=ATOL)
+    for name, final in ref.final.items():
+        if name not in state or state[name].shape != final.shape:
+            continue  # reported above
+        want = final - ref.init[name]
+        err = (state[name] - final).norm() / want.norm()
+        if not err <= UPDATE_RTOL:
+            problems.append(f"{name}: update off by {err:.3g} of its norm (> {UPDATE_RTOL})")
+
+    if problems:
+        pytest.fail(
+            f"{model} (world {world}, backend {backend}, param_dtype=bf16) differs from the "
+            f"bf16-autocast reference after {len(ref.losses)} SGD-momentum steps:\n  "
+            + "\n  ".join(problems),
+            pytrace=False,
+        )
+    for rank, r in enumerate(per_rank):
+        reemit_warnings(r["warnings"], where=f"rank {rank}, {model} bf16")
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_tolerance_is_meaningful(model: str) -> None:
+    """Guards the test itself: the bf16 reference moves the parameters by much more than the
+    elementwise tolerance, and bf16 rounding alone (bf16 vs fp32 reference) stays well inside
+    the update tolerance."""
+    bf16 = _reference(model, 2)
+    fp32 = train_reference(ZOO[model], 2)
+    largest = max((f - bf16.init[n]).abs().max() for n, f in bf16.final.items())
+    assert largest > 10 * ATOL
+    for name, final in bf16.final.items():
+        update = (final - bf16.init[name]).norm()
+        assert update > 0, name
+        assert (final - fp32.final[name]).norm() / update < UPDATE_RTOL / 2, name

@@ -35,24 +35,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m zrs.train",
         description="Train a small GPT on the bundled corpus, ZeRO-3-sharded by zrs.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps")
+    p.add_argument(
+        "--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps (default: %(default)s)"
+    )
     p.add_argument(
         "--nproc",
         type=int,
         default=None,
         help="ranks to launch (default: every GPU, else 2 CPU ranks); ignored under torchrun",
     )
-    p.add_argument("--model-size", choices=sorted(PRESETS), default="small", help="GPT preset")
-    p.add_argument("--out", type=Path, default=Path("out"), help="for model.pt and summary.json")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
     p.add_argument(
-        "--seq-len", type=int, default=None, help="tokens per sequence (default: the context)"
+        "--model-size",
+        choices=sorted(PRESETS),
+        default="small",
+        help="GPT preset (default: %(default)s)",
     )
-    p.add_argument("--backend", choices=["inductor", "eager"], default="inductor")
-    p.add_argument("--seed", type=int, default=0, help="seeds the weights and the batches")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("out"),
+        help="where model.pt and summary.json go (default: ./out)",
+    )
+    p.add_argument(
+        "--lr", type=float, default=3e-3, help="peak AdamW learning rate (default: %(default)s)"
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=16,
+        help="sequences per rank per step (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="tokens per sequence (default: the preset's context)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=["inductor", "eager"],
+        default="inductor",
+        help="zrs.compile backend (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seeds the weights and the batches (default: %(default)s)",
+    )
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be at least 1")
@@ -81,6 +112,7 @@ def worker(args: argparse.Namespace) -> None:
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls
         dist.init_process_group("nccl", device_id=device)
     else:
         device = torch.device("cpu")
@@ -198,6 +230,8 @@ def launch(args: argparse.Namespace, argv: list[str]) -> None:
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     nproc = args.nproc or gpus or 2
+    if gpus and nproc > gpus:
+        sys.exit(f"zrs.train: --nproc {nproc} but only {gpus} GPU(s); each rank needs its own GPU")
     if not gpus:  # CPU: split the cores between the ranks
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cpu_count() // nproc)))
     cmd = ["torchrun", "--standalone", f"--nproc-per-node={nproc}", "-m", "zrs.train", *argv]

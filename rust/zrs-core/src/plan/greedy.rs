@@ -17,10 +17,18 @@
 //! candidate exists (e.g. a weight and a bias consumed by one op) the counts are computed exactly
 //! for the `FALLBACK_CANDIDATES` all-gathers whose release comes first in topological order, an
 //! approximation of DeepCompile's full scan that is exact for the usual weight+bias pairs.
+//! Among count-1 candidates the key is (bytes, compute until free, index) and bytes never
+//! change, so only the least-bytes candidates (at most `TIE_CANDIDATES` of them) are evaluated
+//! per pick.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 
 use super::graph::{Graph, NodeKind, NONE};
 
 const FALLBACK_CANDIDATES: usize = 8;
+/// Count-1 candidates of equal bytes whose compute-until-free is compared per pick.
+const TIE_CANDIDATES: usize = 64;
 
 struct State<'a> {
     g: &'a Graph,
@@ -32,7 +40,8 @@ struct State<'a> {
     stack: Vec<(u32, u32)>,
     target: Vec<u32>,
     watchers: Vec<Vec<u32>>,
-    level1: Vec<u32>,
+    /// Count-1 all-gathers by (bytes, id): their key's bytes never change.
+    level1: BinaryHeap<Reverse<(u64, u32)>>,
     ready_sinks: Vec<u32>,
     remaining_ags: usize,
 }
@@ -85,24 +94,37 @@ impl<'a> State<'a> {
 
     /// An unscheduled all-gather other than `exclude` among the ancestors of `t` (and `t`).
     fn find_witness(&mut self, t: u32, exclude: u32) -> u32 {
+        // Depth-first, last dep first (the nearest gathers, which are scheduled late, so a
+        // witness is rarely replaced), with lazy frames: a huge fan-in is not pushed whole. A
+        // frame holds the number of deps still to look at.
         let ep = self.new_epoch();
         let mut stack = std::mem::take(&mut self.stack);
         stack.clear();
         let mut found = NONE;
         if !self.sched[t as usize] {
             self.stamp[t as usize] = ep;
-            stack.push((t, 0));
+            stack.push((t, self.g.deps(t).len() as u32));
         }
-        while let Some((x, _)) = stack.pop() {
+        while let Some(&mut (x, ref mut left)) = stack.last_mut() {
             if x != exclude && self.g.is_gather(x) {
                 found = x;
                 break;
             }
-            for &d in self.g.deps(x) {
+            let deps = self.g.deps(x);
+            let mut next = NONE;
+            while *left > 0 {
+                *left -= 1;
+                let d = deps[*left as usize];
                 if !self.sched[d as usize] && self.stamp[d as usize] != ep {
                     self.stamp[d as usize] = ep;
-                    stack.push((d, 0));
+                    next = d;
+                    break;
                 }
+            }
+            if next == NONE {
+                stack.pop();
+            } else {
+                stack.push((next, self.g.deps(next).len() as u32));
             }
         }
         self.stack = stack;
@@ -119,7 +141,8 @@ impl<'a> State<'a> {
         let x = self.find_witness(t, ex);
         if x == NONE {
             if self.g.is_gather(w) {
-                self.level1.push(w);
+                self.level1
+                    .push(Reverse((self.g.nodes[w as usize].bytes, w)));
             } else {
                 self.ready_sinks.push(w);
             }
@@ -253,7 +276,7 @@ pub fn greedy_order(g: &Graph, dur: &[f64]) -> Vec<u32> {
         stack: Vec::new(),
         target,
         watchers: vec![Vec::new(); n],
-        level1: Vec::new(),
+        level1: BinaryHeap::new(),
         ready_sinks: Vec::new(),
         remaining_ags: ags.len(),
     };
@@ -274,13 +297,29 @@ pub fn greedy_order(g: &Graph, dur: &[f64]) -> Vec<u32> {
     let (mut ua, mut uf, mut best_ua, mut best_uf) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     while st.remaining_ags > 0 {
-        let sched = &st.sched;
-        st.level1.retain(|&y| !sched[y as usize]);
+        // Count-1 candidates all have one gather on the path and gather only their own bytes, so
+        // the key reduces to (bytes, compute until free, id): only the least-bytes ones compete.
+        while let Some(&Reverse((_, y))) = st.level1.peek() {
+            if st.sched[y as usize] {
+                st.level1.pop();
+            } else {
+                break;
+            }
+        }
         let mut chosen: Option<Task> = None;
         let mut emit_free = true;
-        if !st.level1.is_empty() {
-            let cands = st.level1.clone();
-            for y in cands {
+        if let Some(&Reverse((b0, _))) = st.level1.peek() {
+            let mut tied = Vec::new();
+            while let Some(&Reverse((b, y))) = st.level1.peek() {
+                if b != b0 || tied.len() >= TIE_CANDIDATES {
+                    break;
+                }
+                st.level1.pop();
+                if !st.sched[y as usize] {
+                    tied.push(y);
+                }
+            }
+            for &y in &tied {
                 let (t, _) = st.task(y, &mut ua, &mut uf);
                 if chosen
                     .as_ref()
@@ -289,6 +328,12 @@ pub fn greedy_order(g: &Graph, dur: &[f64]) -> Vec<u32> {
                     chosen = Some(t);
                     std::mem::swap(&mut ua, &mut best_ua);
                     std::mem::swap(&mut uf, &mut best_uf);
+                }
+            }
+            let pick = chosen.map(|c| c.id);
+            for y in tied {
+                if Some(y) != pick {
+                    st.level1.push(Reverse((st.g.nodes[y as usize].bytes, y)));
                 }
             }
         } else {

@@ -119,6 +119,9 @@ def _lower_grads(graph: fx.Graph, graph_id: int, out: Lowered) -> None:
         out.reduced.append(reduced[0].args[1])
         grads[i] = None
     output.args = (tuple(grads),)
+    visible = output.meta.get("user_visible_output_idxs")
+    if visible is not None:  # inductor reads the strides of these outputs: None has none
+        output.meta["user_visible_output_idxs"] = [i for i in visible if grads[i] is not None]
     with graph.inserting_before(output):
         graph.call_function(OPS.end_backward.default, (graph_id,))
 

@@ -62,14 +62,16 @@ def _reference(model: str, world: int) -> Reference:
     return train_reference(ZOO[model], world)
 
 
-def _run(backend: str, world: int, model: str) -> tuple[list[dict], Reference]:
-    per_rank = case_outcome(_group(backend, world), Case(model, backend).key)
+def _run(
+    backend: str, world: int, model: str, *, brief: bool = True
+) -> tuple[list[dict], Reference]:
+    per_rank = case_outcome(_group(backend, world), Case(model, backend).key, brief=brief)
     return per_rank, _reference(model, world)
 
 
 @pytest.mark.parametrize(("backend", "world", "model"), PARAMS)
 def test_matches_reference(backend: str, world: int, model: str) -> None:
-    per_rank, ref = _run(backend, world, model)
+    per_rank, ref = _run(backend, world, model, brief=False)
     spec = ZOO[model]
     state = per_rank[0]["state"]
     problems = []

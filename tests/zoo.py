@@ -17,6 +17,7 @@ import dataclasses
 import datetime
 from collections.abc import Callable
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -435,9 +436,10 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, dict]:
 # --- checking results ---------------------------------------------------------------------------
 
 
-def case_outcome(results: list[dict[str, dict]], key: str) -> list[dict]:
-    """The per-rank results of one case; raises AssertionError with every failing rank's
-    traceback (identical tracebacks shown once) when the case failed anywhere."""
+def case_outcome(results: list[dict[str, dict]], key: str, *, brief: bool = False) -> list[dict]:
+    """The per-rank results of one case. When the case raised on any rank, fails the test with
+    every failing rank's traceback (identical ones shown once), or with ``brief``, only the
+    error's last line (for tests that only read a side of the results)."""
     per_rank = [r[key] for r in results]
     if all(r["ok"] for r in per_rank):
         return per_rank
@@ -445,10 +447,17 @@ def case_outcome(results: list[dict[str, dict]], key: str) -> list[dict]:
     for rank, r in enumerate(per_rank):
         if not r["ok"]:
             by_error.setdefault(r["error"], []).append(rank)
+    if brief:
+        last = next(iter(by_error)).strip().splitlines()[-1]
+        pytest.fail(
+            f"{key} raised in the workers (traceback under test_matches_reference / "
+            f"test_bf16_matches_autocast_reference): {last}",
+            pytrace=False,
+        )
     msg = [f"{key} raised in the workers:"]
     for error, ranks in by_error.items():
         msg.append(f"-- rank(s) {ranks}:\n{error}")
-    raise AssertionError("\n".join(msg))
+    pytest.fail("\n".join(msg), pytrace=False)
 
 
 def describe_diff(actual: Tensor, expected: Tensor) -> str:

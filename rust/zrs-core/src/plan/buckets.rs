@@ -1,24 +1,29 @@
 //! Fused prefetch buckets, chosen from the comm model (no MB knob).
 //!
 //! Fusing `k` all-gathers saves `k-1` latencies and delays the members that would have finished
-//! first by the others' transfer time. So a gather joins the bucket being issued when either the
-//! bucket so far or the gather itself is latency-bound: its transfer time is at most
-//! `factor` × latency. The budget bounds a bucket too: every member must fit in memory from the
-//! bucket's issue point on, which the scheduler checks member by member.
+//! first by the others' transfer time. Gathers are issued in deadline order, so the first
+//! members are the urgent ones. A gather therefore joins the bucket being issued when the fused
+//! bucket stays latency-bound (its transfer time is at most `factor` × latency), or when the
+//! gather is tiny (transfer time at most a quarter latency: it delays the others by less than it
+//! saves). The budget bounds a bucket too: every member must fit in memory from the bucket's issue
+//! point on, which the scheduler checks member by member.
 
 use super::cost::CostModel;
 
 /// When to fuse a gather into the bucket being issued at the same program point.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct FusePolicy {
-    /// Payloads up to this many bytes are latency-bound; 0 disables fusion.
+    /// Buckets up to this many bytes are latency-bound; 0 disables fusion.
     pub latency_bound_bytes: u64,
+    /// Gathers up to this many bytes ride along with any bucket.
+    pub tiny_bytes: u64,
 }
 
 impl FusePolicy {
     pub fn none() -> Self {
         FusePolicy {
             latency_bound_bytes: 0,
+            tiny_bytes: 0,
         }
     }
 
@@ -29,13 +34,16 @@ impl FusePolicy {
         }
         FusePolicy {
             latency_bound_bytes: cost.allgather_latency_bound_bytes(factor),
+            tiny_bytes: cost.allgather_latency_bound_bytes(0.25),
         }
     }
 
     /// Should a gather of `bytes` join a bucket that holds `bucket_bytes` so far?
     #[inline]
     pub fn fuse(&self, bucket_bytes: u64, bytes: u64) -> bool {
-        self.latency_bound_bytes > 0 && bucket_bytes.min(bytes) <= self.latency_bound_bytes
+        self.latency_bound_bytes > 0
+            && (bucket_bytes.saturating_add(bytes) <= self.latency_bound_bytes
+                || bytes <= self.tiny_bytes)
     }
 
     /// The fused collective is cheaper than issuing the two separately (always true with a
@@ -55,8 +63,9 @@ mod tests {
         let p = FusePolicy::from_cost(&cost, 2.0);
         // ~20 us latency at ~25 GB/s bus, W=2: about 2 MB is latency-bound.
         assert!((1 << 20..4 << 20).contains(&p.latency_bound_bytes), "{p:?}");
-        assert!(p.fuse(4096, 8 << 20)); // a norm weight rides along with a matrix
-        assert!(p.fuse(8 << 20, 4096));
+        assert!(p.fuse(8 << 20, 4096)); // a norm weight rides along with a matrix
+        assert!(!p.fuse(4096, 8 << 20)); // but does not wait for one
+        assert!(p.fuse(512 << 10, 512 << 10));
         assert!(!p.fuse(8 << 20, 8 << 20));
         assert!(!FusePolicy::none().fuse(1, 1));
         assert!(FusePolicy::cheaper(&cost, 4096, 4096));

@@ -114,6 +114,10 @@ pub struct Variant {
     pub horizon_us: f64,
     /// Past half the budget, issue only when the comm stream is idle.
     pub pressure: bool,
+    /// As late as possible: postpone a gather while it can still start by its latest start time
+    /// (deadlines from compute-only time to its wait, chained back through the FIFO comm
+    /// stream) minus `horizon_us`, which is then a safety margin instead of a queue limit.
+    pub alap: bool,
 }
 
 impl Variant {
@@ -124,8 +128,11 @@ impl Variant {
             "inf".into()
         };
         format!(
-            "fuse={} horizon={} pressure={}",
-            self.fuse_factor, h, self.pressure
+            "fuse={} {}={} pressure={}",
+            self.fuse_factor,
+            if self.alap { "alap_margin" } else { "horizon" },
+            h,
+            self.pressure
         )
     }
 }
@@ -139,6 +146,10 @@ struct Base {
     earliest: Vec<u32>,
     seg: SegTree,
     peak: i64,
+    /// Compute-stream time before each slot, ignoring stalls.
+    pc: Vec<f64>,
+    /// Latest start of each gather (in `pc` time) for its wait not to stall the compute stream.
+    latest_start: Vec<f64>,
 }
 
 fn build_base(p: &Problem, greedy: &[u32]) -> Base {
@@ -245,6 +256,26 @@ fn build_base(p: &Problem, greedy: &[u32]) -> Base {
     }
     // A gather's own allocation peak (before the slot's node) is covered: alloc >= 0 at the node.
     let seg = SegTree::new(&vals);
+    // Deadlines: compute-only time at each gather's just-in-time slot, chained back through the
+    // FIFO comm stream (a gather must also leave room for the ones after it).
+    let mut pc = vec![0.0f64; m + 1];
+    for k in 0..m {
+        let v = seq[k] as usize;
+        let d = if g.nodes[v].stream == Stream::Compute {
+            p.dur[v]
+        } else {
+            0.0
+        };
+        pc[k + 1] = pc[k] + d;
+    }
+    let mut latest_start = vec![f64::INFINITY; n];
+    let mut next_start = f64::INFINITY;
+    for &x in gathers.iter().rev() {
+        let finish = pc[jit[x as usize] as usize].min(next_start);
+        let st = finish - p.dur[x as usize];
+        latest_start[x as usize] = st;
+        next_start = st;
+    }
     let peak = seg.max(0, m + 1).max(g.base_bytes as i64);
     Base {
         seq,
@@ -253,6 +284,8 @@ fn build_base(p: &Problem, greedy: &[u32]) -> Base {
         earliest,
         seg,
         peak,
+        pc,
+        latest_start,
     }
 }
 
@@ -299,8 +332,17 @@ fn construct(p: &Problem, base: &Base, budget: i64, v: &Variant) -> (Vec<u32>, V
                 let rides = !bucket.is_empty() && policy.fuse(b_bytes, g.nodes[x as usize].bytes);
                 // Horizon: the comm queue already reaches past the next slot by this much.
                 let queued = free[agi].max(now) - now - step;
-                if !rides && v.horizon_us.is_finite() && queued > v.horizon_us {
+                if !rides && !v.alap && v.horizon_us.is_finite() && queued > v.horizon_us {
                     break;
+                }
+                if !rides && v.alap {
+                    // Could it still start in time if issued at the next slot?
+                    let delay = now - base.pc[k];
+                    let next = base.pc[(k + 1).min(m)];
+                    let postponed = (free[agi] - delay).max(next);
+                    if postponed + v.horizon_us <= base.latest_start[x as usize] {
+                        break;
+                    }
                 }
                 if !rides && v.pressure && free[agi] > now && seg.max(k, k + 1) > half {
                     break;
@@ -395,6 +437,9 @@ fn score(p: &Problem, order: Vec<u32>, groups: Vec<Vec<u32>>, label: String) -> 
     })
 }
 
+/// Variants within this fraction of the fastest makespan compete on peak memory instead.
+pub const MAKESPAN_TOLERANCE: f64 = 1e-3;
+
 /// Search options: how much simulator time the local search may spend.
 #[derive(Clone, Copy, Debug)]
 pub struct SearchOptions {
@@ -418,26 +463,29 @@ impl SearchOptions {
 /// The variants tried for every graph.
 pub fn variants(n: usize) -> Vec<Variant> {
     let inf = f64::INFINITY;
-    let v = |fuse_factor: f64, horizon_us: f64, pressure: bool| Variant {
+    let v = |fuse_factor: f64, horizon_us: f64, pressure: bool, alap: bool| Variant {
         fuse_factor,
         horizon_us,
         pressure,
+        alap,
     };
-    // As early as the budget allows (with and without buckets), "lazy" (issue only when the comm
-    // stream would otherwise idle before the next slot: the same overlap for less memory), and
-    // the memory-pressure rule.
+    // As early as the budget allows (with and without buckets); as late as the deadlines allow
+    // (the same overlap for less memory, when the estimates hold); "lazy" (issue only when the
+    // comm stream would otherwise idle before the next slot); the memory-pressure rule.
     let mut out = vec![
-        v(2.0, inf, false),
-        v(0.0, inf, false),
-        v(2.0, 0.0, false),
-        v(2.0, inf, true),
+        v(2.0, inf, false, false),
+        v(0.0, inf, false, false),
+        v(2.0, 0.0, false, true),
+        v(2.0, inf, true, false),
     ];
     if n <= 5_000 {
         out.extend([
-            v(8.0, inf, false),
-            v(0.5, inf, false),
-            v(32.0, inf, false),
-            v(0.0, 0.0, false),
+            v(8.0, inf, false, false),
+            v(0.5, inf, false, false),
+            v(32.0, inf, false, false),
+            v(2.0, 0.0, false, false),
+            v(0.0, 0.0, false, true),
+            v(2.0, 200.0, false, true),
         ]);
     }
     out
@@ -600,12 +648,8 @@ pub fn search(
         return Err(Error::BudgetInfeasible { budget, minimal });
     }
     let greedy_fits = greedy.sim.peak_bytes <= budget;
-    let mut best: Option<Candidate> = if greedy_fits {
-        Some(greedy.clone())
-    } else {
-        None
-    };
     let mut evals = 0usize;
+    let mut pool: Vec<Candidate> = Vec::new();
     if base_peak <= budget {
         let b = budget.min(i64::MAX as u64) as i64;
         let vs = variants(p.len());
@@ -633,19 +677,39 @@ pub fn search(
         for cand in cands {
             let cand = cand?;
             evals += 1;
-            if cand.sim.peak_bytes > budget {
-                continue; // cannot happen by construction; never return an over-budget plan
+            // Cannot happen by construction; never return an over-budget plan.
+            if cand.sim.peak_bytes <= budget {
+                pool.push(cand);
             }
-            if best.as_ref().is_none_or(|bst| better(&cand.sim, &bst.sim)) {
-                best = Some(cand);
-            }
-        }
-        if let Some(bst) = best.as_mut() {
-            evals += refine_buckets(p, bst, budget, opts)?;
         }
     }
-    let best =
-        best.expect("the greedy order or the base sequence fits a budget >= the minimal peak");
+    // Among variants within MAKESPAN_TOLERANCE of the fastest, the least peak (then the fastest).
+    let fastest = pool
+        .iter()
+        .map(|c| c.sim.makespan_us)
+        .fold(f64::INFINITY, f64::min);
+    let pick = pool
+        .iter()
+        .filter(|c| c.sim.makespan_us <= fastest * (1.0 + MAKESPAN_TOLERANCE) + 1e-3)
+        .min_by(|a, b| {
+            (a.sim.peak_bytes, a.sim.makespan_us)
+                .partial_cmp(&(b.sim.peak_bytes, b.sim.makespan_us))
+                .expect("finite makespans")
+        })
+        .cloned();
+    let best_variant = pool
+        .into_iter()
+        .reduce(|a, b| if better(&b.sim, &a.sim) { b } else { a });
+    // Never worse than greedy: fall back to the fastest variant, then to greedy itself.
+    let mut best = match (pick, best_variant) {
+        (Some(pk), _) if !greedy_fits || pk.sim.makespan_us <= greedy.sim.makespan_us + 1e-3 => pk,
+        (_, Some(bv)) if !greedy_fits || bv.sim.makespan_us <= greedy.sim.makespan_us + 1e-3 => bv,
+        _ if greedy_fits => greedy.clone(),
+        _ => {
+            unreachable!("the greedy order or the base sequence fits a budget >= the minimal peak")
+        }
+    };
+    evals += refine_buckets(p, &mut best, budget, opts)?;
     Ok(SearchResult {
         best,
         base_peak,

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import operator
+import re
 
 import torch
 from torch import fx
 
 OPS = torch.ops.zrs
+# "-> Tensor(a)" or "-> Tensor(a)[]" (a view), but not "-> Tensor(a!)" (an in-place op).
+_RETURN_ALIAS = re.compile(r"->\s*Tensor\((\w+)\)")
 CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
 
 
@@ -23,15 +26,12 @@ def is_view(node: fx.Node) -> bool:
         src = node.args[0]
         return isinstance(src, fx.Node) and is_view(src)
     schema = getattr(node.target, "_schema", None)
-    if schema is None or not schema.returns or not schema.arguments:
+    if schema is None or not schema.arguments or schema.arguments[0].alias_info is None:
         return False
-    out, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
-    return (
-        out is not None
-        and first is not None
-        and not out.is_write
-        and out.before_set == first.before_set
-    )
+    # The Python schema API does not expose the alias set of a list element (`Tensor(a)[]` of
+    # split/chunk/unbind), so read the return annotation from the schema text.
+    ret = _RETURN_ALIAS.search(str(schema))
+    return ret is not None and ret.group(1) in schema.arguments[0].alias_info.before_set
 
 
 def cast_dtype(node: fx.Node) -> torch.dtype | None:

@@ -216,7 +216,7 @@ impl<'p> Builder<'p> {
     }
 
     /// Emit the backward of forward op `i` (after all its consumers' backwards).
-    fn backward(&mut self, i: usize, prefix: &str) -> usize {
+    fn backward(&mut self, i: usize) -> usize {
         let p = self.p;
         let (params, inputs) = (self.fw[i].params.clone(), self.fw[i].inputs.clone());
         let mut waits = Vec::new();
@@ -242,7 +242,6 @@ impl<'p> Builder<'p> {
             free_bytes: Some(freed),
             ..NodeSpec::new(format!("{name}.bw"), NodeKind::Compute)
         });
-        let _ = prefix;
         for (pname, ds, w) in waits {
             self.release(&format!("{pname}.bw"), ds, w, node);
         }
@@ -450,15 +449,15 @@ pub fn synthetic_graph(preset: &Preset, n_nodes: usize, world: u32) -> GraphSpec
     };
     let loss_id = b.forward("model", &loss, vec![Some(logits)]);
     // Backward, in reverse.
-    b.backward(loss_id, "model");
-    b.backward(logits, "model");
-    b.backward(xn, "model");
+    b.backward(loss_id);
+    b.backward(logits);
+    b.backward(xn);
     for ids in layer_ops.iter().rev() {
         for &i in ids.iter().rev() {
-            b.backward(i, "");
+            b.backward(i);
         }
     }
-    b.backward(0, "model");
+    b.backward(0);
     b.spec
 }
 

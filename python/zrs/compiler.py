@@ -2,12 +2,15 @@
 
 Each dynamo graph (a graph break gives several) gets its own graph_id, shared by its forward and
 backward. The joint graph is partitioned with gathers marked must-recompute; the partitioned graphs
-are lowered by `passes.zero3`, checked for cross-rank agreement, and handed to inductor
-(`backend="inductor"`) or run as FX code (`backend="eager"`).
+are checked for cross-rank agreement and lowered by `passes.zero3`. With `backend="inductor"` the
+lowering runs as inductor's last post-grad pass, so no inductor rewrite (e.g. `mm + add -> addmm`)
+can move a use of a gathered parameter past its release; with `backend="eager"` the lowered FX
+graphs run as they are.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import hashlib
 from pathlib import Path
@@ -18,7 +21,7 @@ from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch._aot_autograd.utils import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._inductor.custom_graph_pass import CustomPartitionerFn
+from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn
 
 from zrs.passes.consistency import check_same_graph
 from zrs.passes.recompute import tag_gathers_for_recompute
@@ -26,6 +29,11 @@ from zrs.passes.zero3 import lower_zero3
 from zrs.runtime import ZeroState, handle
 
 BACKENDS = ("inductor", "eager")
+
+
+def _source_hash(*names: str) -> str:
+    passes = Path(__file__).with_name("passes")
+    return hashlib.sha256(b"".join((passes / n).read_bytes() for n in names)).hexdigest()
 
 
 class ZeroPartitioner(CustomPartitionerFn):
@@ -37,19 +45,40 @@ class ZeroPartitioner(CustomPartitionerFn):
         return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
 
     def uuid(self) -> str:
-        src = Path(__file__).with_name("passes") / "recompute.py"
-        return hashlib.sha256(src.read_bytes()).hexdigest()
+        return _source_hash("recompute.py")
 
 
 PARTITIONER = ZeroPartitioner()
 
+# (graph_id, is_backward, lower) of the graph inductor is compiling right now.
+_CURRENT: contextvars.ContextVar[tuple[int, bool, Any]] = contextvars.ContextVar("zrs_current")
 
-def _lower(state: ZeroState, graph_id: int, gm: fx.GraphModule, is_backward: bool) -> None:
-    lowered = lower_zero3(gm, graph_id, is_backward=is_backward)
+
+class ZeroLowering(CustomGraphPass):
+    """The zero3 pass as inductor's `post_grad_custom_post_pass`."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        _, is_backward, lower = _CURRENT.get()
+        lower(graph, is_backward)
+
+    def uuid(self) -> str:
+        # graph_id is not in the graph before this pass runs, so it must be in the cache key.
+        graph_id, is_backward, _ = _CURRENT.get()
+        return f"{_source_hash('zero3.py', '_nodes.py')}:{graph_id}:{int(is_backward)}"
+
+
+LOWERING = ZeroLowering()
+
+
+def _check(state: ZeroState, graph_id: int, graph: fx.Graph, is_backward: bool) -> None:
+    what = f"{'backward' if is_backward else 'forward'} graph {graph_id}"
+    check_same_graph(graph, state.group, what)
+
+
+def _lower(state: ZeroState, graph_id: int, graph: fx.Graph, is_backward: bool) -> None:
+    lowered = lower_zero3(graph, graph_id, is_backward=is_backward)
     for ds_id, n in lowered.uses.items():
         state.registry.set_uses(graph_id, handle(ds_id).local_id, n)
-    what = f"{'backward' if is_backward else 'forward'} graph {graph_id}"
-    check_same_graph(gm.graph, state.group, what)
 
 
 def make_backend(state: ZeroState, backend: str):
@@ -57,32 +86,42 @@ def make_backend(state: ZeroState, backend: str):
 
     def zrs_backend(gm: fx.GraphModule, example_inputs: list[Any]):
         graph_id = next(state.graph_ids)
+        check = functools.partial(_check, state, graph_id)
         lower = functools.partial(_lower, state, graph_id)
-        # A cache hit would skip the partitioner and the zero3 pass (and the rank check).
+        # A cache hit would skip the partitioner, the rank check and the zero3 pass.
         with torch._functorch.config.patch(enable_autograd_cache=False):
             if backend == "inductor":
-                return _inductor(gm, example_inputs, lower)
-            return _eager(gm, example_inputs, lower)
+                return _inductor(gm, example_inputs, graph_id, check, lower)
+            return _eager(gm, example_inputs, check, lower)
 
     return zrs_backend
 
 
-def _inductor(gm: fx.GraphModule, example_inputs: list[Any], lower):
+def _inductor(gm: fx.GraphModule, example_inputs: list[Any], graph_id: int, check, lower):
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def inner(gm: fx.GraphModule, inputs: list[Any], **kwargs: Any):
-        lower(gm, bool(kwargs.get("is_backward", False)))
-        return compile_fx_inner(gm, inputs, **kwargs)
+        is_backward = bool(kwargs.get("is_backward", False))
+        check(gm.graph, is_backward)  # before inductor's cache lookup: every rank runs it
+        token = _CURRENT.set((graph_id, is_backward, lower))
+        try:
+            # Patched here, not around compile_fx: the backward is compiled lazily, later.
+            with inductor_config.patch(post_grad_custom_post_pass=LOWERING):
+                return compile_fx_inner(gm, inputs, **kwargs)
+        finally:
+            _CURRENT.reset(token)
 
     with inductor_config.patch(custom_partitioner_fn=PARTITIONER):
         return compile_fx(gm, example_inputs, inner_compile=inner)
 
 
-def _eager(gm: fx.GraphModule, example_inputs: list[Any], lower):
+def _eager(gm: fx.GraphModule, example_inputs: list[Any], check, lower):
     def compiler(is_backward: bool):
         def run(gm: fx.GraphModule, inputs: list[Any]):
-            lower(gm, is_backward)
+            check(gm.graph, is_backward)
+            lower(gm.graph, is_backward)
+            gm.recompile()
             return make_boxed_func(gm.forward)
 
         return run

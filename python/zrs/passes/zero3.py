@@ -126,9 +126,8 @@ def _lower_grads(graph: fx.Graph, graph_id: int, out: Lowered) -> None:
         graph.call_function(OPS.end_backward.default, (graph_id,))
 
 
-def lower_zero3(gm: fx.GraphModule, graph_id: int, *, is_backward: bool) -> Lowered:
+def lower_zero3(graph: fx.Graph, graph_id: int, *, is_backward: bool) -> Lowered:
     out = Lowered(uses={}, fused_downcasts=0, reduced=[])
-    graph = gm.graph
     for g in list(graph.find_nodes(op="call_function", target=OPS.gather.default)):
         _lower_gather(graph, g, graph_id, out)
     if is_backward:
@@ -141,5 +140,4 @@ def lower_zero3(gm: fx.GraphModule, graph_id: int, *, is_backward: bool) -> Lowe
             "output; zrs cannot reduce them (please report this model)"
         )
     graph.lint()
-    gm.recompile()
     return out

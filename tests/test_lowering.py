@@ -1,0 +1,78 @@
+"""The zero3 pass really lowers both graphs, for both backends (one process, no group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx, nn
+
+import zrs
+from zrs import compiler, runtime
+
+OPS = torch.ops.zrs
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 5)
+        self.norm = nn.LayerNorm(5)
+        self.b = nn.Linear(5, 3)
+        self.frozen = nn.Linear(3, 3)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        return self.frozen(self.b(self.norm(torch.relu(self.a(x))))).sum()
+
+
+def _count(graph: fx.Graph, op) -> int:
+    return len(graph.find_nodes(op="call_function", target=op.default))
+
+
+@pytest.fixture
+def lowered(monkeypatch):
+    graphs: dict[str, fx.Graph] = {}
+    reduced: list[int] = []
+    lower, reduce_grad = compiler.lower_zero3, runtime.reduce_grad
+
+    def spy_lower(graph, graph_id, *, is_backward):
+        out = lower(graph, graph_id, is_backward=is_backward)
+        graphs["bw" if is_backward else "fw"] = graph
+        return out
+
+    def spy_reduce(grad, ds_id):
+        reduced.append(ds_id)
+        reduce_grad(grad, ds_id)
+
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # a hit skips the pass
+    monkeypatch.setattr(compiler, "lower_zero3", spy_lower)
+    monkeypatch.setattr(runtime, "reduce_grad", spy_reduce)
+    yield graphs, reduced
+    runtime.reset()
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_both_graphs_are_lowered(lowered, backend, param_dtype):
+    graphs, reduced = lowered
+    torch.manual_seed(0)
+    model = zrs.compile(Net(), backend=backend, param_dtype=param_dtype)
+    model(torch.randn(4, 6)).backward()
+    fw, bw = graphs["fw"], graphs["bw"]
+    for g in (fw, bw):
+        assert _count(g, OPS.gather) == 0 and _count(g, OPS.gather_grad) == 0
+        assert _count(g, OPS.allgather_param) == _count(g, OPS.wait_allgather)
+        assert _count(g, OPS.allgather_param) == _count(g, OPS.release_param) > 0
+    assert _count(fw, OPS.allgather_param) == 8  # every parameter, frozen ones too
+    trainable = [h.ds_id for h in model._zrs_state.handles if h.shard.requires_grad]
+    assert _count(bw, OPS.reduce_grad) == len(trainable) and _count(bw, OPS.end_backward) == 1
+    assert sorted(reduced) == sorted(trainable), "every trainable gradient went to reduce_grad"
+    if param_dtype is not None:  # fused downcast: gathered straight in bf16
+        dtypes = {
+            n.kwargs["dtype"]
+            for n in fw.find_nodes(op="call_function", target=OPS.allgather_param.default)
+        }
+        assert dtypes == {param_dtype}
+    for h in model._zrs_state.handles:
+        assert (h.shard.grad is not None) == h.shard.requires_grad
+        assert model._zrs_state.registry.info(h.local_id).holders == 0, "every gather released"

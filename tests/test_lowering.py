@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import fx, nn
+from torch._inductor import config as inductor_config
 
 import zrs
 from zrs import compiler, runtime
@@ -44,10 +45,10 @@ def lowered(monkeypatch):
         reduced.append(ds_id)
         reduce_grad(grad, ds_id)
 
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # a hit skips the pass
     monkeypatch.setattr(compiler, "lower_zero3", spy_lower)
     monkeypatch.setattr(runtime, "reduce_grad", spy_reduce)
-    yield graphs, reduced
+    with inductor_config.patch(fx_graph_cache=False):  # a cache hit would skip the pass
+        yield graphs, reduced
     runtime.reset()
 
 

@@ -166,3 +166,27 @@ def _end_backward_fake(graph_id):
 
 for _name in SIDE_EFFECT_OPS:
     has_side_effect(getattr(torch.ops.zrs, _name).default)
+
+
+# --- copy ops (issue 3): internal ops of the runtime's copy-in, copy-out and gradient pack --------
+# Kernels: torch ops on CompositeExplicitAutograd (CPU, and the CUDA fallback) and the CUDA kernels
+# of cuda/zrs_kernels.cu on the CUDA key once built; both live in `zrs.kernels`.
+
+from zrs import kernels as _kernels  # noqa: E402
+
+COPY_SCHEMAS = {
+    # cast each shard to out.dtype and write them back to back into the flat `out`
+    "pack_cast": "pack_cast(Tensor[] shards, Tensor(a!) out) -> ()",
+    # recv = `world` rank blocks; member i at offsets[i] (numels[i] elements) in every block:
+    # outs[i][r * numels[i] + j] = recv[r * block + offsets[i] + j]
+    "unpack_rank_major": (
+        "unpack_rank_major(Tensor recv, int world, int[] offsets, int[] numels, "
+        "Tensor(a!)[] outs) -> ()"
+    ),
+    # out (world, block): grad i * scale, cast, rank-major at columns off_i : off_i + shard_i,
+    # shard_i = ceil(numel_i / world), off_i cumulative, padding zero-filled
+    "pack_grads": "pack_grads(Tensor[] grads, int world, float scale, Tensor(a!) out) -> ()",
+}
+for _schema in COPY_SCHEMAS.values():
+    LIB.define(_schema)
+_kernels.register(LIB)

@@ -1,0 +1,499 @@
+// zrs copy kernels, registered on the CUDA dispatch key of the zrs copy ops.
+//
+//   zrs::pack_cast(Tensor[] shards, Tensor(a!) out) -> ()
+//       copy-in: cast each shard to out.dtype, write them back to back into the flat `out`.
+//   zrs::unpack_rank_major(Tensor recv, int world, int[] offsets, int[] numels,
+//                          Tensor(a!)[] outs) -> ()
+//       copy-out: recv is `world` rank blocks; member i sits at offsets[i] (numels[i] elements) in
+//       each block; outs[i][r * numels[i] + j] = recv[r * block + offsets[i] + j].
+//   zrs::pack_grads(Tensor[] grads, int world, float scale, Tensor(a!) out) -> ()
+//       grad pack: out is (world, block); grad i (numel n_i, shard_i = ceil(n_i / world)) goes,
+//       times `scale` and cast, into out[:, off_i : off_i + shard_i] rank-major, zero padded.
+//
+// The schemas live in python/zrs/ops.py. All three ops reduce to one job: a list of segments,
+// each "read n_src elements of some dtype at src, write n_dst >= n_src elements at dst (zeros
+// past n_src), times a scale". One kernel launch copies every segment of an op: the host builds
+// the segment table, passes it inline as a kernel parameter when it is small (no extra copy), or
+// as a device buffer copied from pinned memory on the current stream otherwise. Each block takes
+// one tile of 4096 elements of one segment (binary search over the table). Segments whose src and
+// dst are 16-byte aligned move 16 bytes per load and store; others take a coalesced scalar path.
+// Everything runs on the current CUDA stream, with no host synchronisation.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kVec = 8;     // elements per thread and step
+constexpr int kUnroll = 2;  // steps per thread, all loads issued before the first store
+constexpr int64_t kTile = int64_t{kThreads} * kVec * kUnroll;  // elements per block
+constexpr int kInline = 80;  // segments passed inside the kernel parameters (4 KiB limit)
+
+enum DtypeCode : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2, kF64 = 3 };
+
+struct Seg {
+  const void* src;
+  void* dst;
+  int64_t n_src;       // elements read from src
+  int64_t n_dst;       // elements written to dst; [n_src, n_dst) are zeros
+  int64_t tile_start;  // first tile of this segment (prefix sum over the table)
+  int32_t src_code;    // DtypeCode of src
+  int32_t vec_ok;      // src and dst both 16-byte aligned
+};
+static_assert(sizeof(Seg) == 48, "Seg layout is shared between host and device");
+
+struct InlineSegs {
+  Seg s[kInline];
+};
+static_assert(sizeof(InlineSegs) + 32 <= 4096, "kernel parameters must fit in 4 KiB");
+
+// Raw storage type and conversions through float (double only when a side is double), the same
+// roundings as torch's own casts (double -> half/bf16 goes through float, as c10 does).
+template <typename T>
+struct Conv;
+template <>
+struct Conv<float> {
+  using Raw = float;
+  __device__ static float to_float(Raw r) { return r; }
+  __device__ static Raw from_float(float x) { return x; }
+};
+template <>
+struct Conv<__nv_bfloat16> {
+  using Raw = unsigned short;
+  __device__ static float to_float(Raw r) { return __bfloat162float(__ushort_as_bfloat16(r)); }
+  __device__ static Raw from_float(float x) { return __bfloat16_as_ushort(__float2bfloat16_rn(x)); }
+};
+template <>
+struct Conv<__half> {
+  using Raw = unsigned short;
+  __device__ static float to_float(Raw r) { return __half2float(__ushort_as_half(r)); }
+  __device__ static Raw from_float(float x) { return __half_as_ushort(__float2half_rn(x)); }
+};
+template <>
+struct Conv<double> {
+  using Raw = double;
+};
+
+template <typename T, typename Acc>
+__device__ __forceinline__ Acc load_acc(typename Conv<T>::Raw r) {
+  if constexpr (std::is_same_v<T, double>) {
+    return static_cast<Acc>(r);
+  } else {
+    return static_cast<Acc>(Conv<T>::to_float(r));
+  }
+}
+
+template <typename T, typename Acc>
+__device__ __forceinline__ typename Conv<T>::Raw store_raw(Acc x) {
+  if constexpr (std::is_same_v<T, double>) {
+    return static_cast<double>(x);
+  } else {
+    return Conv<T>::from_float(static_cast<float>(x));
+  }
+}
+
+// 16-byte vector loads and stores of kVec raw elements (16, 32 or 64 bytes), through the
+// read-only path. Raw values are packed into 32-bit words explicitly so that the stores stay
+// 16 bytes wide.
+template <typename Raw>
+__device__ __forceinline__ void load_vec(const Raw* p, Raw (&r)[kVec]) {
+  const uint4* q = reinterpret_cast<const uint4*>(p);
+  if constexpr (sizeof(Raw) == 2) {
+    const uint4 a = __ldg(q);
+    const uint32_t w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      r[2 * j] = static_cast<Raw>(w[j] & 0xffffu);
+      r[2 * j + 1] = static_cast<Raw>(w[j] >> 16);
+    }
+  } else if constexpr (sizeof(Raw) == 4) {
+#pragma unroll
+    for (int j = 0; j < kVec / 4; ++j) {
+      const uint4 a = __ldg(q + j);
+      r[4 * j] = __uint_as_float(a.x);
+      r[4 * j + 1] = __uint_as_float(a.y);
+      r[4 * j + 2] = __uint_as_float(a.z);
+      r[4 * j + 3] = __uint_as_float(a.w);
+    }
+  } else {
+    const double2* d = reinterpret_cast<const double2*>(p);
+#pragma unroll
+    for (int j = 0; j < kVec / 2; ++j) {
+      const double2 a = __ldg(d + j);
+      r[2 * j] = a.x;
+      r[2 * j + 1] = a.y;
+    }
+  }
+}
+
+template <typename Raw>
+__device__ __forceinline__ void store_vec(Raw* p, const Raw (&r)[kVec]) {
+  uint4* q = reinterpret_cast<uint4*>(p);
+  if constexpr (sizeof(Raw) == 2) {
+    uint32_t w[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      w[j] = uint32_t(r[2 * j]) | (uint32_t(r[2 * j + 1]) << 16);
+    __stwb(q, make_uint4(w[0], w[1], w[2], w[3]));
+  } else if constexpr (sizeof(Raw) == 4) {
+#pragma unroll
+    for (int j = 0; j < kVec / 4; ++j)
+      __stwb(q + j, make_uint4(__float_as_uint(r[4 * j]), __float_as_uint(r[4 * j + 1]),
+                               __float_as_uint(r[4 * j + 2]), __float_as_uint(r[4 * j + 3])));
+  } else {
+    double2* d = reinterpret_cast<double2*>(p);
+#pragma unroll
+    for (int j = 0; j < kVec / 2; ++j) __stwb(d + j, make_double2(r[2 * j], r[2 * j + 1]));
+  }
+}
+
+template <typename Src, typename Dst>
+__device__ __forceinline__ void copy_tile(const Seg& s, int64_t base, double scale_d, bool scaled) {
+  using Acc = std::conditional_t<std::is_same_v<Src, double> || std::is_same_v<Dst, double>,
+                                 double, float>;
+  using SRaw = typename Conv<Src>::Raw;
+  using DRaw = typename Conv<Dst>::Raw;
+  const SRaw* __restrict__ src = static_cast<const SRaw*>(s.src);
+  DRaw* __restrict__ dst = static_cast<DRaw*>(s.dst);
+  __builtin_assume(__isGlobal(src));  // the table may sit in parameter space; the data never does
+  __builtin_assume(__isGlobal(dst));
+  const Acc scale = static_cast<Acc>(scale_d);
+  Acc v[kUnroll][kVec];
+
+  if (s.vec_ok) {
+    // Thread t handles elements [i, i + kVec) with i = base + (u * kThreads + t) * kVec.
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + int64_t(u * kThreads + threadIdx.x) * kVec;
+      if (i + kVec <= s.n_src) {
+        SRaw r[kVec];
+        load_vec(src + i, r);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) v[u][k] = load_acc<Src, Acc>(r[k]);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k)
+          v[u][k] = i + k < s.n_src ? load_acc<Src, Acc>(__ldg(src + i + k)) : Acc(0);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + int64_t(u * kThreads + threadIdx.x) * kVec;
+      if (i + kVec <= s.n_dst) {
+        DRaw r[kVec];
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) r[k] = store_raw<Dst, Acc>(scaled ? v[u][k] * scale : v[u][k]);
+        store_vec(dst + i, r);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k)
+          if (i + k < s.n_dst) dst[i + k] = store_raw<Dst, Acc>(scaled ? v[u][k] * scale : v[u][k]);
+      }
+    }
+  } else {
+    // Misaligned segment: element base + j * kThreads + t, coalesced across the warp.
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const int64_t i = base + int64_t((u * kVec + k) * kThreads + threadIdx.x);
+        v[u][k] = i < s.n_src ? load_acc<Src, Acc>(__ldg(src + i)) : Acc(0);
+      }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const int64_t i = base + int64_t((u * kVec + k) * kThreads + threadIdx.x);
+        if (i < s.n_dst) dst[i] = store_raw<Dst, Acc>(scaled ? v[u][k] * scale : v[u][k]);
+      }
+  }
+}
+
+template <typename Dst>
+__global__ void __launch_bounds__(kThreads)
+    seg_copy_kernel(const __grid_constant__ InlineSegs inl, const Seg* __restrict__ table,
+                    int nseg, double scale, bool scaled) {
+  const Seg* segs = table != nullptr ? table : inl.s;
+  const int64_t tile = blockIdx.x;
+  int lo = 0, hi = nseg - 1;  // the last segment whose tile_start <= tile
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (segs[mid].tile_start <= tile) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const Seg s = segs[lo];
+  const int64_t base = (tile - s.tile_start) * kTile;
+  switch (s.src_code) {
+    case kF32:
+      copy_tile<float, Dst>(s, base, scale, scaled);
+      break;
+    case kBF16:
+      copy_tile<__nv_bfloat16, Dst>(s, base, scale, scaled);
+      break;
+    case kF16:
+      copy_tile<__half, Dst>(s, base, scale, scaled);
+      break;
+    default:
+      copy_tile<double, Dst>(s, base, scale, scaled);
+      break;
+  }
+}
+
+// --- host side -----------------------------------------------------------------------------
+
+int32_t code_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return kF32;
+    case at::kBFloat16:
+      return kBF16;
+    case at::kHalf:
+      return kF16;
+    case at::kDouble:
+      return kF64;
+    default:
+      return -1;
+  }
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+struct Plan {
+  std::vector<Seg> segs;
+  int64_t tiles = 0;
+
+  void add(const void* src, int32_t src_code, int64_t n_src, void* dst, int64_t n_dst) {
+    if (n_dst <= 0) return;
+    Seg s{};
+    s.src = src;
+    s.dst = dst;
+    s.n_src = n_src;
+    s.n_dst = n_dst;
+    s.tile_start = tiles;
+    s.src_code = src_code;
+    s.vec_ok = aligned16(src) && aligned16(dst);
+    segs.push_back(s);
+    tiles += (n_dst + kTile - 1) / kTile;
+  }
+};
+
+void launch(const Plan& plan, at::ScalarType dst_type, double scale, const at::Device& device) {
+  if (plan.tiles == 0) return;
+  TORCH_CHECK(plan.tiles <= std::numeric_limits<int32_t>::max(),
+              "zrs copy kernels: too many elements in one call (", plan.tiles, " tiles)");
+  const int nseg = static_cast<int>(plan.segs.size());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  InlineSegs inl;
+  const Seg* table = nullptr;
+  at::Tensor table_dev;  // freed after the launch: stream-ordered, same stream as the kernel
+  if (nseg <= kInline) {
+    std::memcpy(inl.s, plan.segs.data(), nseg * sizeof(Seg));
+  } else {
+    const int64_t bytes = int64_t(nseg) * int64_t(sizeof(Seg));
+    at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    std::memcpy(host.data_ptr(), plan.segs.data(), bytes);
+    table_dev = host.to(at::TensorOptions().device(device).dtype(at::kByte), /*non_blocking=*/true);
+    table = static_cast<const Seg*>(table_dev.data_ptr());
+  }
+  const bool scaled = scale != 1.0;
+  const dim3 grid(static_cast<unsigned>(plan.tiles));
+  switch (code_of(dst_type)) {
+    case kF32:
+      seg_copy_kernel<float><<<grid, kThreads, 0, stream>>>(inl, table, nseg, scale, scaled);
+      break;
+    case kBF16:
+      seg_copy_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(inl, table, nseg, scale, scaled);
+      break;
+    case kF16:
+      seg_copy_kernel<__half><<<grid, kThreads, 0, stream>>>(inl, table, nseg, scale, scaled);
+      break;
+    case kF64:
+      seg_copy_kernel<double><<<grid, kThreads, 0, stream>>>(inl, table, nseg, scale, scaled);
+      break;
+    default:
+      TORCH_CHECK(false, "zrs copy kernels: unsupported output dtype ", dst_type);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+char* byte_ptr(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
+
+void check_device(const at::Tensor& t, const at::Device& device, const char* what) {
+  TORCH_CHECK(t.device() == device, "zrs copy kernels: ", what, " is on ", t.device(),
+              " but the output is on ", device);
+}
+
+// --- pack_cast ---------------------------------------------------------------------------------
+
+void pack_cast(at::TensorList shards, const at::Tensor& out) {
+  TORCH_CHECK(out.is_contiguous(), "zrs::pack_cast: out must be contiguous");
+  int64_t total = 0;
+  for (const auto& s : shards) total += s.numel();
+  TORCH_CHECK(total <= out.numel(), "zrs::pack_cast: the shards hold ", total,
+              " elements but out has only ", out.numel());
+  const at::Device device = out.device();
+  c10::cuda::CUDAGuard guard(device);
+  bool supported = code_of(out.scalar_type()) >= 0;
+  for (const auto& s : shards) {
+    check_device(s, device, "a shard");
+    supported = supported && code_of(s.scalar_type()) >= 0;
+  }
+  const int64_t es = out.element_size();
+  if (!supported) {  // other dtypes: plain torch copies
+    int64_t off = 0;
+    for (const auto& s : shards) {
+      out.view({-1}).narrow(0, off, s.numel()).copy_(s.reshape({-1}));
+      off += s.numel();
+    }
+    return;
+  }
+  std::vector<at::Tensor> keep;  // contiguous copies live until the launch is queued
+  keep.reserve(shards.size());
+  Plan plan;
+  int64_t off = 0;
+  for (const auto& s : shards) {
+    keep.push_back(s.contiguous());
+    const at::Tensor& c = keep.back();
+    plan.add(c.data_ptr(), code_of(c.scalar_type()), c.numel(), byte_ptr(out) + off * es,
+             c.numel());
+    off += c.numel();
+  }
+  launch(plan, out.scalar_type(), 1.0, device);
+}
+
+// --- unpack_rank_major -----------------------------------------------------------------------
+
+void unpack_rank_major(const at::Tensor& recv, int64_t world, at::IntArrayRef offsets,
+                       at::IntArrayRef numels, at::TensorList outs) {
+  TORCH_CHECK(world >= 1, "zrs::unpack_rank_major: world must be >= 1, got ", world);
+  TORCH_CHECK(offsets.size() == numels.size() && numels.size() == outs.size(),
+              "zrs::unpack_rank_major: offsets, numels and outs differ in length (",
+              offsets.size(), ", ", numels.size(), ", ", outs.size(), ")");
+  TORCH_CHECK(recv.is_contiguous(), "zrs::unpack_rank_major: recv must be contiguous");
+  TORCH_CHECK(recv.numel() % world == 0, "zrs::unpack_rank_major: recv holds ", recv.numel(),
+              " elements, not a multiple of world ", world);
+  const int64_t block = recv.numel() / world;
+  const at::Device device = recv.device();
+  c10::cuda::CUDAGuard guard(device);
+  bool supported = code_of(recv.scalar_type()) >= 0;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    TORCH_CHECK(offsets[i] >= 0 && numels[i] >= 0 && offsets[i] + numels[i] <= block,
+                "zrs::unpack_rank_major: member ", i, " (offset ", offsets[i], ", numel ",
+                numels[i], ") lies outside the rank block of ", block, " elements");
+    TORCH_CHECK(outs[i].is_contiguous(), "zrs::unpack_rank_major: outs[", i,
+                "] must be contiguous");
+    TORCH_CHECK(outs[i].numel() >= world * numels[i], "zrs::unpack_rank_major: outs[", i,
+                "] has ", outs[i].numel(), " elements, needs ", world * numels[i]);
+    check_device(outs[i], device, "an output");
+    supported = supported && code_of(outs[i].scalar_type()) >= 0;
+  }
+  if (!supported) {
+    const at::Tensor blocks = recv.view({world, block});
+    for (size_t i = 0; i < outs.size(); ++i) {
+      outs[i].view({-1}).narrow(0, 0, world * numels[i]).view({world, numels[i]}).copy_(
+          blocks.narrow(1, offsets[i], numels[i]));
+    }
+    return;
+  }
+  const int32_t rcode = code_of(recv.scalar_type());
+  const int64_t res = recv.element_size();
+  // One launch per distinct output dtype (one launch in practice: all outputs share a dtype).
+  std::vector<bool> done(outs.size(), false);
+  for (size_t first = 0; first < outs.size(); ++first) {
+    if (done[first]) continue;
+    const at::ScalarType dt = outs[first].scalar_type();
+    Plan plan;
+    for (size_t i = first; i < outs.size(); ++i) {
+      if (done[i] || outs[i].scalar_type() != dt) continue;
+      done[i] = true;
+      const int64_t oes = outs[i].element_size();
+      for (int64_t r = 0; r < world; ++r) {
+        plan.add(byte_ptr(recv) + (r * block + offsets[i]) * res, rcode, numels[i],
+                 byte_ptr(outs[i]) + r * numels[i] * oes, numels[i]);
+      }
+    }
+    launch(plan, dt, 1.0, device);
+  }
+}
+
+// --- pack_grads --------------------------------------------------------------------------------
+
+void pack_grads(at::TensorList grads, int64_t world, double scale, const at::Tensor& out) {
+  TORCH_CHECK(world >= 1, "zrs::pack_grads: world must be >= 1, got ", world);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == world,
+              "zrs::pack_grads: out must have shape (world, block) = (", world, ", ...), got ",
+              out.sizes());
+  TORCH_CHECK(out.size(1) <= 1 || out.stride(1) == 1,
+              "zrs::pack_grads: out's rows must be contiguous (stride(1) == 1)");
+  const int64_t block = out.size(1);
+  const int64_t row = out.stride(0);
+  const at::Device device = out.device();
+  c10::cuda::CUDAGuard guard(device);
+  int64_t need = 0;
+  bool supported = code_of(out.scalar_type()) >= 0;
+  for (const auto& g : grads) {
+    check_device(g, device, "a gradient");
+    need += (g.numel() + world - 1) / world;
+    supported = supported && code_of(g.scalar_type()) >= 0;
+  }
+  TORCH_CHECK(need <= block, "zrs::pack_grads: the gradients need ", need,
+              " elements per rank but out's rows hold ", block);
+  if (!supported) {
+    int64_t off = 0;
+    for (const auto& g : grads) {
+      const int64_t n = g.numel(), shard = (n + world - 1) / world;
+      const bool wide = g.scalar_type() == at::kDouble || out.scalar_type() == at::kDouble;
+      at::Tensor flat = at::zeros({world * shard}, g.options().dtype(wide ? at::kDouble : at::kFloat));
+      flat.narrow(0, 0, n).copy_(g.reshape({-1}));
+      if (scale != 1.0) flat.mul_(scale);
+      out.narrow(1, off, shard).copy_(flat.view({world, shard}));
+      off += shard;
+    }
+    return;
+  }
+  const int64_t oes = out.element_size();
+  std::vector<at::Tensor> keep;
+  keep.reserve(grads.size());
+  Plan plan;
+  int64_t off = 0;
+  for (const auto& g : grads) {
+    keep.push_back(g.contiguous());
+    const at::Tensor& c = keep.back();
+    const int64_t n = c.numel(), shard = (n + world - 1) / world;
+    const int64_t ges = c.element_size();
+    const int32_t gcode = code_of(c.scalar_type());
+    for (int64_t r = 0; r < world; ++r) {
+      const int64_t start = r * shard;
+      const int64_t n_src = std::max<int64_t>(0, std::min<int64_t>(shard, n - start));
+      plan.add(byte_ptr(c) + std::min(start, n) * ges, gcode, n_src,
+               byte_ptr(out) + (r * row + off) * oes, shard);
+    }
+    off += shard;
+  }
+  launch(plan, out.scalar_type(), scale, device);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(zrs, CUDA, m) {
+  m.impl("pack_cast", &pack_cast);
+  m.impl("unpack_rank_major", &unpack_rank_major);
+  m.impl("pack_grads", &pack_grads);
+}

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Device-machine setup for every session, then run the given command:
+#   bash scripts/device_setup.sh python3 -m pytest tests/gpu -q
+# Needs the zrs wheel carried in .whl/ (here: `maturin build --release -o .whl`, then
+# `run(..., carry=[".whl"])`). Installs it to /tmp/site, keeps NVLink multicast off, prebuilds
+# the CUDA copy kernels (cached in the torch extensions folder), then execs "$@" from the repo
+# root, so tests import the installed zrs (with its compiled _core), not the source tree.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# NVLink multicast stays off on these machines (it can take a shared host's GPUs down).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+
+shopt -s nullglob
+zrs_wheels=(.whl/zrs-*.whl)
+if [ ${#zrs_wheels[@]} -eq 0 ]; then
+  echo "device_setup: no .whl/zrs-*.whl; build one with 'maturin build --release -o .whl' and" \
+    "pass carry=[\".whl\"]" >&2
+  exit 2
+fi
+wheel=$(ls -t "${zrs_wheels[@]}" | head -n 1)  # the newest, if several were carried
+others=()
+for w in .whl/*.whl; do
+  case "$w" in .whl/zrs-*) ;; *) others+=("$w") ;; esac
+done
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
+  "$wheel" ${others[@]+"${others[@]}"}
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+export ZRS_CUDA_SRC="$PWD/cuda"  # the kernel source, in case the wheel does not ship it
+
+echo "device_setup: $(basename "$wheel"); $(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs)"
+# (-W: runpy notes that the package already imported zrs.kernels; harmless here)
+if ! python3 -W "ignore::RuntimeWarning:runpy" -m zrs.kernels --build; then
+  echo "device_setup: kernel prebuild FAILED; zrs falls back to torch ops (with a warning)" >&2
+fi
+
+if [ $# -gt 0 ]; then
+  exec "$@"
+fi

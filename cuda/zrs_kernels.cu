@@ -15,7 +15,7 @@
 // past n_src), times a scale". One kernel launch copies every segment of an op: the host builds
 // the segment table, passes it inline as a kernel parameter when it is small (no extra copy), or
 // as a device buffer copied from pinned memory on the current stream otherwise. Each block takes
-// one tile of 4096 elements of one segment (binary search over the table). Segments whose src and
+// one 16 KiB (of source) tile of one segment (binary search over the table). Segments whose src and
 // dst are 16-byte aligned move 16 bytes per load and store; others take a coalesced scalar path.
 // Everything runs on the current CUDA stream, with no host synchronisation.
 
@@ -39,8 +39,10 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kVec = 8;     // elements per thread and step
-constexpr int kUnroll = 2;  // steps per thread, all loads issued before the first store
-constexpr int64_t kTile = int64_t{kThreads} * kVec * kUnroll;  // elements per block
+// Steps per thread, all loads issued before the first store: 64 bytes of source per thread, so a
+// block's tile is 16 KiB of source: 8192 bf16/fp16, 4096 fp32 or 2048 fp64 elements.
+constexpr int unroll_of(size_t src_size) { return int(8 / src_size); }
+constexpr int64_t tile_of(size_t src_size) { return int64_t{kThreads} * kVec * unroll_of(src_size); }
 constexpr int kInline = 80;  // segments passed inside the kernel parameters (4 KiB limit)
 
 enum DtypeCode : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2, kF64 = 3 };
@@ -106,120 +108,133 @@ __device__ __forceinline__ typename Conv<T>::Raw store_raw(Acc x) {
   }
 }
 
-// 16-byte vector loads and stores of kVec raw elements (16, 32 or 64 bytes), through the
-// read-only path. Raw values are packed into 32-bit words explicitly so that the stores stay
-// 16 bytes wide.
-template <typename Raw>
-__device__ __forceinline__ void load_vec(const Raw* p, Raw (&r)[kVec]) {
-  const uint4* q = reinterpret_cast<const uint4*>(p);
-  if constexpr (sizeof(Raw) == 2) {
-    const uint4 a = __ldg(q);
-    const uint32_t w[4] = {a.x, a.y, a.z, a.w};
+// Vectors of kVec elements move as 16-byte words (1, 2 or 4 of them per vector), loaded through
+// the read-only path and kept raw in registers until every load of the thread is in flight.
+template <typename T>
+constexpr int kWords = kVec * int(sizeof(typename Conv<T>::Raw)) / 16;
+
+template <typename T, typename Acc>
+__device__ __forceinline__ void unpack_words(const uint4 (&q)[kWords<T>], Acc (&v)[kVec]) {
+  using Raw = typename Conv<T>::Raw;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      r[2 * j] = static_cast<Raw>(w[j] & 0xffffu);
-      r[2 * j + 1] = static_cast<Raw>(w[j] >> 16);
-    }
-  } else if constexpr (sizeof(Raw) == 4) {
+  for (int j = 0; j < kWords<T>; ++j) {
+    const uint32_t w[4] = {q[j].x, q[j].y, q[j].z, q[j].w};
+    if constexpr (sizeof(Raw) == 2) {
 #pragma unroll
-    for (int j = 0; j < kVec / 4; ++j) {
-      const uint4 a = __ldg(q + j);
-      r[4 * j] = __uint_as_float(a.x);
-      r[4 * j + 1] = __uint_as_float(a.y);
-      r[4 * j + 2] = __uint_as_float(a.z);
-      r[4 * j + 3] = __uint_as_float(a.w);
-    }
-  } else {
-    const double2* d = reinterpret_cast<const double2*>(p);
+      for (int h = 0; h < 4; ++h) {
+        v[8 * j + 2 * h] = load_acc<T, Acc>(static_cast<Raw>(w[h] & 0xffffu));
+        v[8 * j + 2 * h + 1] = load_acc<T, Acc>(static_cast<Raw>(w[h] >> 16));
+      }
+    } else if constexpr (sizeof(Raw) == 4) {
 #pragma unroll
-    for (int j = 0; j < kVec / 2; ++j) {
-      const double2 a = __ldg(d + j);
-      r[2 * j] = a.x;
-      r[2 * j + 1] = a.y;
+      for (int h = 0; h < 4; ++h) v[4 * j + h] = load_acc<T, Acc>(__uint_as_float(w[h]));
+    } else {
+      v[2 * j] = load_acc<T, Acc>(__hiloint2double(int(w[1]), int(w[0])));
+      v[2 * j + 1] = load_acc<T, Acc>(__hiloint2double(int(w[3]), int(w[2])));
     }
   }
 }
 
-template <typename Raw>
-__device__ __forceinline__ void store_vec(Raw* p, const Raw (&r)[kVec]) {
+template <typename T, typename Acc>
+__device__ __forceinline__ void store_words(typename Conv<T>::Raw* p, const Acc (&v)[kVec]) {
+  using Raw = typename Conv<T>::Raw;
   uint4* q = reinterpret_cast<uint4*>(p);
-  if constexpr (sizeof(Raw) == 2) {
+#pragma unroll
+  for (int j = 0; j < kWords<T>; ++j) {
     uint32_t w[4];
+    if constexpr (sizeof(Raw) == 2) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
-      w[j] = uint32_t(r[2 * j]) | (uint32_t(r[2 * j + 1]) << 16);
-    __stwb(q, make_uint4(w[0], w[1], w[2], w[3]));
-  } else if constexpr (sizeof(Raw) == 4) {
+      for (int h = 0; h < 4; ++h)
+        w[h] = uint32_t(store_raw<T, Acc>(v[8 * j + 2 * h])) |
+               (uint32_t(store_raw<T, Acc>(v[8 * j + 2 * h + 1])) << 16);
+    } else if constexpr (sizeof(Raw) == 4) {
 #pragma unroll
-    for (int j = 0; j < kVec / 4; ++j)
-      __stwb(q + j, make_uint4(__float_as_uint(r[4 * j]), __float_as_uint(r[4 * j + 1]),
-                               __float_as_uint(r[4 * j + 2]), __float_as_uint(r[4 * j + 3])));
-  } else {
-    double2* d = reinterpret_cast<double2*>(p);
+      for (int h = 0; h < 4; ++h) w[h] = __float_as_uint(store_raw<T, Acc>(v[4 * j + h]));
+    } else {
 #pragma unroll
-    for (int j = 0; j < kVec / 2; ++j) __stwb(d + j, make_double2(r[2 * j], r[2 * j + 1]));
+      for (int h = 0; h < 2; ++h) {
+        const double d = store_raw<T, Acc>(v[2 * j + h]);
+        w[2 * h] = uint32_t(__double2loint(d));
+        w[2 * h + 1] = uint32_t(__double2hiint(d));
+      }
+    }
+    __stwb(q + j, make_uint4(w[0], w[1], w[2], w[3]));
   }
 }
 
 template <typename Src, typename Dst>
-__device__ __forceinline__ void copy_tile(const Seg& s, int64_t base, double scale_d, bool scaled) {
+__device__ __forceinline__ void copy_tile(const Seg& s, int64_t tile_in_seg, double scale_d,
+                                          bool scaled) {
   using Acc = std::conditional_t<std::is_same_v<Src, double> || std::is_same_v<Dst, double>,
                                  double, float>;
   using SRaw = typename Conv<Src>::Raw;
   using DRaw = typename Conv<Dst>::Raw;
+  constexpr int kU = unroll_of(sizeof(SRaw));
+  const int64_t base = tile_in_seg * tile_of(sizeof(SRaw));
   const SRaw* __restrict__ src = static_cast<const SRaw*>(s.src);
   DRaw* __restrict__ dst = static_cast<DRaw*>(s.dst);
   __builtin_assume(__isGlobal(src));  // the table may sit in parameter space; the data never does
   __builtin_assume(__isGlobal(dst));
   const Acc scale = static_cast<Acc>(scale_d);
-  Acc v[kUnroll][kVec];
 
   if (s.vec_ok) {
-    // Thread t handles elements [i, i + kVec) with i = base + (u * kThreads + t) * kVec.
+    // Thread t handles elements [i, i + kVec), i = base + (u * kThreads + t) * kVec, u < kU.
+    const int64_t first = base + int64_t(threadIdx.x) * kVec;
+    const int64_t src_left = s.n_src - first, dst_left = s.n_dst - first;
+    const SRaw* sp = src + first;
+    DRaw* dp = dst + first;
+    uint4 raw[kU][kWords<Src>];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + int64_t(u * kThreads + threadIdx.x) * kVec;
-      if (i + kVec <= s.n_src) {
-        SRaw r[kVec];
-        load_vec(src + i, r);
+    for (int u = 0; u < kU; ++u) {
+      if (u * kThreads * kVec + kVec <= src_left) {
+        const uint4* q = reinterpret_cast<const uint4*>(sp + u * kThreads * kVec);
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) v[u][k] = load_acc<Src, Acc>(r[k]);
-      } else {
-#pragma unroll
-        for (int k = 0; k < kVec; ++k)
-          v[u][k] = i + k < s.n_src ? load_acc<Src, Acc>(__ldg(src + i + k)) : Acc(0);
+        for (int j = 0; j < kWords<Src>; ++j) raw[u][j] = __ldg(q + j);
       }
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + int64_t(u * kThreads + threadIdx.x) * kVec;
-      if (i + kVec <= s.n_dst) {
-        DRaw r[kVec];
+    for (int u = 0; u < kU; ++u) {
+      const int o = u * kThreads * kVec;
+      if (o >= dst_left) break;
+      Acc v[kVec];
+      if (o + kVec <= src_left) {
+        unpack_words<Src, Acc>(raw[u], v);
+      } else {  // the segment's tail, or zero padding
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) r[k] = store_raw<Dst, Acc>(scaled ? v[u][k] * scale : v[u][k]);
-        store_vec(dst + i, r);
+        for (int k = 0; k < kVec; ++k)
+          v[k] = o + k < src_left ? load_acc<Src, Acc>(__ldg(sp + o + k)) : Acc(0);
+      }
+      if (scaled) {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) v[k] *= scale;
+      }
+      if (o + kVec <= dst_left) {
+        store_words<Dst, Acc>(dp + o, v);
       } else {
 #pragma unroll
         for (int k = 0; k < kVec; ++k)
-          if (i + k < s.n_dst) dst[i + k] = store_raw<Dst, Acc>(scaled ? v[u][k] * scale : v[u][k]);
+          if (o + k < dst_left) dp[o + k] = store_raw<Dst, Acc>(v[k]);
       }
     }
   } else {
     // Misaligned segment: element base + j * kThreads + t, coalesced across the warp.
+    constexpr int kN = kVec * kU;
+    const int64_t first = base + threadIdx.x;
+    const int64_t src_left = s.n_src - first, dst_left = s.n_dst - first;
+    const SRaw* sp = src + first;
+    DRaw* dp = dst + first;
+    SRaw r[kN];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
+    for (int j = 0; j < kN; ++j)
+      if (j * kThreads < src_left) r[j] = __ldg(sp + j * kThreads);
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        const int64_t i = base + int64_t((u * kVec + k) * kThreads + threadIdx.x);
-        v[u][k] = i < s.n_src ? load_acc<Src, Acc>(__ldg(src + i)) : Acc(0);
+    for (int j = 0; j < kN; ++j) {
+      if (j * kThreads < dst_left) {
+        Acc x = j * kThreads < src_left ? load_acc<Src, Acc>(r[j]) : Acc(0);
+        if (scaled) x *= scale;
+        dp[j * kThreads] = store_raw<Dst, Acc>(x);
       }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        const int64_t i = base + int64_t((u * kVec + k) * kThreads + threadIdx.x);
-        if (i < s.n_dst) dst[i] = store_raw<Dst, Acc>(scaled ? v[u][k] * scale : v[u][k]);
-      }
+    }
   }
 }
 
@@ -239,19 +254,19 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   const Seg s = segs[lo];
-  const int64_t base = (tile - s.tile_start) * kTile;
+  const int64_t t = tile - s.tile_start;
   switch (s.src_code) {
     case kF32:
-      copy_tile<float, Dst>(s, base, scale, scaled);
+      copy_tile<float, Dst>(s, t, scale, scaled);
       break;
     case kBF16:
-      copy_tile<__nv_bfloat16, Dst>(s, base, scale, scaled);
+      copy_tile<__nv_bfloat16, Dst>(s, t, scale, scaled);
       break;
     case kF16:
-      copy_tile<__half, Dst>(s, base, scale, scaled);
+      copy_tile<__half, Dst>(s, t, scale, scaled);
       break;
     default:
-      copy_tile<double, Dst>(s, base, scale, scaled);
+      copy_tile<double, Dst>(s, t, scale, scaled);
       break;
   }
 }
@@ -290,7 +305,8 @@ struct Plan {
     s.src_code = src_code;
     s.vec_ok = aligned16(src) && aligned16(dst);
     segs.push_back(s);
-    tiles += (n_dst + kTile - 1) / kTile;
+    const int64_t tile = tile_of(src_code == kF32 ? 4 : src_code == kF64 ? 8 : 2);
+    tiles += (n_dst + tile - 1) / tile;
   }
 };
 

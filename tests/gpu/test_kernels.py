@@ -9,6 +9,8 @@ CUDA for all three ops. Not marked `gpu`: these need one CUDA device, not two.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -138,8 +140,10 @@ def test_current_stream_and_no_host_sync():
     shards = [_randn(1000 + i, torch.float32, i) for i in range(100)]
     out = torch.empty(sum(s.numel() for s in shards), dtype=torch.bfloat16, device="cuda")
     side.wait_stream(torch.cuda.current_stream())
-    torch.cuda.set_sync_debug_mode("error")
     try:
+        with warnings.catch_warnings():  # "prototype feature" notice; errors stay errors
+            warnings.simplefilter("ignore", UserWarning)
+            torch.cuda.set_sync_debug_mode("error")
         with torch.cuda.stream(side):
             torch.ops.zrs.pack_cast(shards, out)  # > 80 segments: the pinned-copy path too
             grads = [s.view(-1) for s in shards[:10]]

@@ -3,7 +3,9 @@
 `torch.library.custom_op` cannot declare outputs that alias inputs, so the ops are defined from
 schema strings. The `(a)` annotations on `wait_allgather` and `release_param` are load-bearing:
 they tell inductor the output is the input, so it neither frees the gathered tensor early nor
-reorders its users across the wait or the release.
+reorders its users across the wait or the release. `release_param` also takes the outputs of the
+parameter's other uses (`after`): a data dependency on each is what keeps inductor from scheduling
+a fused use after the free.
 
 `gather` / `gather_grad` are the functional pair dynamo traces (forward all-gather, backward
 reduce-scatter with pre-divide). The zero3 pass lowers them into the remaining ops.
@@ -26,7 +28,8 @@ SCHEMAS = {
     ),
     "wait_allgather": "wait_allgather(Tensor(a) x, int graph_id, int ds_id) -> Tensor(a)",
     "release_param": (
-        "release_param(Tensor(a) x, int graph_id, int ds_id, int n_users) -> Tensor(a)"
+        "release_param(Tensor(a) x, int graph_id, int ds_id, int n_users, Tensor[] after)"
+        " -> Tensor(a)"
     ),
     "prefetch_params_fused": (
         "prefetch_params_fused(int graph_id, Tensor[] shards, int[] ds_ids, "
@@ -123,13 +126,13 @@ def _wait_allgather_fake(x, graph_id, ds_id):
 
 
 @_impl("release_param")
-def _release_param(x, graph_id, ds_id, n_users):
+def _release_param(x, graph_id, ds_id, n_users, after):
     runtime.release(ds_id)
     return x.view_as(x)
 
 
 @_fake("release_param")
-def _release_param_fake(x, graph_id, ds_id, n_users):
+def _release_param_fake(x, graph_id, ds_id, n_users, after):
     return x.view_as(x)
 
 

@@ -72,17 +72,30 @@ def _lower_gather(graph: fx.Graph, g: fx.Node, graph_id: int, out: Lowered) -> N
     order = _order(graph)
     real = {u for n in closure for u in n.users if u not in closure}
     out.uses[ds_id] = out.uses.get(ds_id, 0) + len(real)
-    last = max(real, key=order.__getitem__, default=wait)
-    anchor = last
-    if isinstance(val(last), (tuple, list)):
-        items = [u for u in last.users if u.target is operator.getitem]
-        anchor = max(items, key=order.__getitem__, default=wait)
-    elif not isinstance(val(last), torch.Tensor):
-        anchor = wait  # no tensor to hang the release on: release the parameter itself
-    point = max((last, anchor), key=order.__getitem__)
+    # The release depends on the output of every real use (a tuple use: on its getitems), not only
+    # the last one: inductor may fuse an earlier use into a kernel it schedules later, and only a
+    # data dependency keeps that kernel ahead of the free.
+    anchors = sorted({a for u in real for a in _tensor_outputs(u)}, key=order.__getitem__)
+    anchor = anchors[-1] if anchors else wait
+    point = max([*real, anchor], key=order.__getitem__)
     with graph.inserting_after(point):
-        rel = graph.call_function(OPS.release_param.default, (anchor, graph_id, ds_id, len(real)))
+        rel = graph.call_function(
+            OPS.release_param.default, (anchor, graph_id, ds_id, len(real), anchors[:-1])
+        )
     rel.meta["val"] = val(anchor)
+
+
+def _tensor_outputs(node: fx.Node) -> list[fx.Node]:
+    """The nodes holding `node`'s tensor outputs: itself, or the getitems of a tuple output."""
+    if isinstance(val(node), torch.Tensor):
+        return [node]
+    if isinstance(val(node), (tuple, list)):
+        return [
+            u
+            for u in node.users
+            if u.target is operator.getitem and isinstance(val(u), torch.Tensor)
+        ]
+    return []
 
 
 def _grad_leaves(node: fx.Node) -> list[fx.Node]:

@@ -57,7 +57,9 @@ def test_allgather_wait_release(handles):
     )
     torch.testing.assert_close(full, h.shard.detach().view(h.shape))
     torch.library.opcheck(
-        torch.ops.zrs.release_param.default, (full, 0, h.ds_id, 1, [full]), test_utils=STATEFUL_UTILS
+        torch.ops.zrs.release_param.default,
+        (full, 0, h.ds_id, 1, [full]),
+        test_utils=STATEFUL_UTILS,
     )
 
 

@@ -98,6 +98,7 @@ def compile(
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype or torch.float32,
         registry=Registry(world),
+        free_on_release=backend == "eager",
     )
     shard_model(model, state, init_fn)
     model._zrs_state = state

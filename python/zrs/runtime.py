@@ -32,6 +32,12 @@ class ZeroState:
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype
     registry: Registry
+    # Resize a released buffer's storage to 0 (the eager backend, whose FX code keeps every
+    # intermediate alive until the graph returns). Inductor frees its buffers at their last use
+    # itself and may *reuse* a dead gathered buffer as the output of a later kernel (seen on CUDA:
+    # a weight-gradient mm wrote into the gathered weight's buffer), so there the release only
+    # drops the runtime's reference.
+    free_on_release: bool = True
     handles: list[ParamHandle] = field(default_factory=list)
     graph_ids: itertools.count = field(default_factory=itertools.count)
 
@@ -236,9 +242,9 @@ def release(ds_id: int) -> None:
     h = handle(ds_id)
     if h.state.registry.release(h.local_id):
         buf = _BUFFERS.pop(ds_id)
-        # Free now even if a compiled graph still holds an alias of the buffer: that alias is
-        # dead by construction (the release follows the last use).
-        buf.untyped_storage().resize_(0)
+        if h.state.free_on_release:
+            # The graph's remaining aliases of the buffer are dead: the release follows the last use.
+            buf.untyped_storage().resize_(0)
 
 
 # --- gradient buckets -------------------------------------------------------------------------

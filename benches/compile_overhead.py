@@ -81,7 +81,9 @@ def main() -> None:
             cmd += ["--steps", str(args.steps)]
             out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
         row = json.loads(out.strip().splitlines()[-1])
-        row.update(device=f"cpu ({os.cpu_count()} cores, {platform.machine()})", command=" ".join(sys.argv))
+        row.update(
+            device=f"cpu ({os.cpu_count()} cores, {platform.machine()})", command=" ".join(sys.argv)
+        )
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:

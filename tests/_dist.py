@@ -98,8 +98,11 @@ def _worker_entry(
 ) -> None:
     torch.set_num_threads(1)
     # On SIGUSR1 (sent by the parent at its deadline) dump every thread's stack to stderr, so
-    # that a hang shows where each rank is stuck.
+    # that a hang shows where each rank is stuck. Likewise on SIGTERM, which torch's spawn sends
+    # to the other ranks when one raises: often the raising rank only timed out waiting for a
+    # rank that is stuck, and the stuck rank's stack is the one that explains the failure.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     with record_warnings() as caught:
         dist.init_process_group(
             backend="gloo",

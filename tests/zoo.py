@@ -409,6 +409,7 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, dict]:
     import torch.distributed as dist
 
     from _dist import COLLECTIVE_TIMEOUT, format_exc, record_warnings
+    from zrs.exchange import all_gather_flags
 
     out: dict[str, dict] = {}
     for case in cases:
@@ -425,10 +426,9 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, dict]:
             except Exception:
                 res = {"ok": False, "error": format_exc()}
         res["warnings"] = caught
-        # Agree on the outcome, so that every rank goes on to the next case together.
-        everyone: list = [None] * world_size
-        dist.all_gather_object(everyone, res["ok"])
-        res["all_ranks_ok"] = all(everyone)
+        # Agree on the outcome, so that every rank goes on to the next case together (not with
+        # all_gather_object, which can deadlock under gloo: see zrs.exchange).
+        res["all_ranks_ok"] = all(all_gather_flags(res["ok"]))
         out[case.key] = res
     return out
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zrs._core import Registry, ZrsError
+from zrs.exchange import keep_alive
 
 # Gradient buckets are reduce-scattered once they hold this many elements (per rank, all
 # shards together). The planner (issue 4) replaces this constant with a comm-model choice.
@@ -96,7 +97,8 @@ def all_gather(
     if group is None:
         out.copy_(inp)
         return None
-    return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
+    work = dist.all_gather_into_tensor(out, inp, group=group, async_op=True)
+    return _issued(work, async_op, out, inp)
 
 
 def reduce_scatter(
@@ -105,9 +107,18 @@ def reduce_scatter(
     if group is None:
         out.copy_(inp)
         return None
-    return dist.reduce_scatter_tensor(
-        out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op
-    )
+    work = dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return _issued(work, async_op, out, inp)
+
+
+def _issued(work: dist.Work, async_op: bool, *tensors: torch.Tensor) -> dist.Work | None:
+    # Always issued async, to get the Work: it and its host tensors stay referenced for a while
+    # (see zrs.exchange, a gloo worker thread must never drop their last reference).
+    keep_alive(work, *tensors)
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def gather_full(h: ParamHandle, shard: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

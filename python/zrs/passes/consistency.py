@@ -2,8 +2,9 @@
 
 Ranks that trace different graphs (data-dependent control flow, different input shapes) would issue
 different collectives and deadlock. Each rank hashes a signature of its lowered graph; the hashes
-are compared with one small all-gather, and only on a mismatch are the signatures exchanged to name
-the first differing node.
+are compared in one small exchange (`zrs.exchange`, which cannot deadlock under gloo as
+`all_gather_object` can), and only on a mismatch are the signatures exchanged to name the first
+differing node.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import hashlib
 
 import torch.distributed as dist
 from torch import fx
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from zrs._core import ZrsError
+from zrs.exchange import all_gather_bytes
 
 
 def _describe(value) -> str:
@@ -35,18 +36,15 @@ def signature(graph: fx.Graph) -> list[str]:
 def check_same_graph(graph: fx.Graph, group: dist.ProcessGroup | None, what: str) -> None:
     if group is None or dist.get_world_size(group) == 1:
         return
-    with unset_fake_temporarily():  # the backend runs under fake mode; the check is real
-        _compare(signature(graph), group, what)
+    _compare(signature(graph), group, what)
 
 
 def _compare(lines: list[str], group: dist.ProcessGroup, what: str) -> None:
-    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
-    digests: list[str] = [""] * dist.get_world_size(group)
-    dist.all_gather_object(digests, digest, group=group)
+    text = "\n".join(lines).encode()
+    digests = all_gather_bytes(hashlib.sha256(text).digest(), group)
     if len(set(digests)) == 1:
         return
-    everyone: list[list[str]] = [[] for _ in digests]
-    dist.all_gather_object(everyone, lines, group=group)
+    everyone = [t.decode().split("\n") for t in all_gather_bytes(text, group)]
     other = next(r for r, d in enumerate(digests) if d != digests[0])
     a, b = everyone[0], everyone[other]
     i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

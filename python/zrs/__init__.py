@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_map
 from zrs import ops as _ops  # noqa: F401  (registers the torch.ops.zrs namespace)
 from zrs._core import Registry, ZrsError
 from zrs.compiler import BACKENDS, make_backend
+from zrs.passes.schedule import SCHEDULERS, trace_dir_from_env
 from zrs.runtime import ZeroState
 from zrs.sharding import InitFn, check_devices, full_state_dict, shard_model
 
@@ -66,6 +67,10 @@ def compile(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     init_fn: InitFn | None = None,
+    memory_budget: int | None = None,
+    scheduler: str = "search",
+    trace_dir: str | os.PathLike | None = None,
+    profile: bool = True,
 ) -> nn.Module:
     """Shard `model` across the process group and compile it with the zrs ZeRO-3 backend.
 
@@ -82,11 +87,35 @@ def compile(
         reduce_dtype: dtype of the gradient reduce-scatter (default fp32).
         init_fn: for a model built on the meta device, `fn(module)` initialises one module's own
             parameters and buffers (default: the module's `reset_parameters()`).
+        memory_budget: bytes each compiled graph may allocate (gathered parameters and
+            activations, as the planner estimates them). Default: on CUDA the free device memory
+            (the least over the ranks) less a margin; elsewhere the planner keeps the peak at the
+            greedy schedule's. A budget below what the graph needs raises ZrsError naming the
+            least feasible budget.
+        scheduler: how the gathers, releases and prefetches of each graph are ordered: "search"
+            (default; budget-aware list scheduling plus a search over prefetch positions and
+            fused buckets), "greedy" (DeepCompile's fast_free_schedule rule, no budget, no
+            fusion) or "none" (the order the zero3 pass produced, no prefetch).
+        trace_dir: write each graph's planner IR, plan Chrome trace (open in
+            https://ui.perfetto.dev) and memory-over-time PNG here, on rank 0. Default: the
+            ZRS_PLAN_TRACE environment variable, else no trace.
+        profile: give the planner measured times: each lowered graph runs once on real tensors
+            of its shapes (collectives stubbed out) to time its compute nodes, and a short sweep
+            of all-gather and reduce-scatter sizes fits the collectives' latency and bandwidth
+            (the maximum over ranks, so every rank plans the same). False: analytic estimates.
 
     Returns the same model object, sharded and compiled in place.
     """
     if backend not in BACKENDS:
         raise ZrsError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    if scheduler not in SCHEDULERS:
+        raise ZrsError(f"unknown scheduler {scheduler!r}: choose one of {', '.join(SCHEDULERS)}")
+    if memory_budget is not None and (
+        isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget <= 0
+    ):
+        raise ZrsError(
+            f"memory_budget must be a positive number of bytes or None, not {memory_budget!r}"
+        )
     group = _resolve_group(process_group)
     device = _resolve_device(model, group)
     world = dist.get_world_size(group) if group is not None else 1
@@ -99,6 +128,10 @@ def compile(
         reduce_dtype=reduce_dtype or torch.float32,
         registry=Registry(world),
         free_on_release=backend == "eager",
+        scheduler=scheduler,
+        memory_budget=memory_budget,
+        trace_dir=trace_dir_from_env(trace_dir),
+        profile=profile,
     )
     shard_model(model, state, init_fn)
     model._zrs_state = state

@@ -2,10 +2,12 @@
 
 Each dynamo graph (a graph break gives several) gets its own graph_id, shared by its forward and
 backward. The joint graph is partitioned with gathers marked must-recompute; the partitioned graphs
-are checked for cross-rank agreement and lowered by `passes.zero3`. With `backend="inductor"` the
-lowering runs as inductor's last post-grad pass, so no inductor rewrite (e.g. `mm + add -> addmm`)
-can move a use of a gathered parameter past its release; with `backend="eager"` the lowered FX
-graphs run as they are.
+are checked for cross-rank agreement, lowered by `passes.zero3` and scheduled by
+`passes.schedule` (the planner's order and fused prefetches). With `backend="inductor"` both run
+as inductor's last post-grad pass, so no inductor rewrite (e.g. `mm + add -> addmm`) can move a
+use of a gathered parameter past its release; inductor's own peak-memory reordering is then off,
+so the planned order (a prefetch before its members' gathers) holds. With `backend="eager"` the
+lowered FX graphs run as they are.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitioner
 
 from zrs.passes.consistency import check_same_graph
 from zrs.passes.recompute import tag_gathers_for_recompute
+from zrs.passes.schedule import ScheduleContext, device_budget, schedule_graph
 from zrs.passes.zero3 import lower_zero3
+from zrs.profile import measure_collectives
 from zrs.runtime import ZeroState, handle
 
 BACKENDS = ("inductor", "eager")
@@ -50,21 +54,25 @@ class ZeroPartitioner(CustomPartitionerFn):
 
 PARTITIONER = ZeroPartitioner()
 
-# (graph_id, is_backward, lower) of the graph inductor is compiling right now.
-_CURRENT: contextvars.ContextVar[tuple[int, bool, Any]] = contextvars.ContextVar("zrs_current")
+# (graph_id, is_backward, lower, schedule context) of the graph inductor is compiling right now.
+_CURRENT: contextvars.ContextVar[tuple[int, bool, Any, ScheduleContext]] = contextvars.ContextVar(
+    "zrs_current"
+)
 
 
 class ZeroLowering(CustomGraphPass):
-    """The zero3 pass as inductor's `post_grad_custom_post_pass`."""
+    """The zero3 and schedule passes as inductor's `post_grad_custom_post_pass`."""
 
     def __call__(self, graph: fx.Graph) -> None:
-        _, is_backward, lower = _CURRENT.get()
-        lower(graph, is_backward)
+        _, is_backward, lower, ctx = _CURRENT.get()
+        lower(graph, is_backward, ctx)
 
     def uuid(self) -> str:
-        # graph_id is not in the graph before this pass runs, so it must be in the cache key.
-        graph_id, is_backward, _ = _CURRENT.get()
-        return f"{_source_hash('zero3.py', '_nodes.py')}:{graph_id}:{int(is_backward)}"
+        # graph_id and the schedule options are not in the graph before this pass runs, so they
+        # must be in the cache key.
+        graph_id, is_backward, _, ctx = _CURRENT.get()
+        source = _source_hash("zero3.py", "_nodes.py", "schedule.py")
+        return f"{source}:{graph_id}:{int(is_backward)}:{ctx.key()}"
 
 
 LOWERING = ZeroLowering()
@@ -75,10 +83,41 @@ def _check(state: ZeroState, graph_id: int, graph: fx.Graph, is_backward: bool) 
     check_same_graph(graph, state.group, what)
 
 
-def _lower(state: ZeroState, graph_id: int, graph: fx.Graph, is_backward: bool) -> None:
+def schedule_context(state: ZeroState) -> ScheduleContext:
+    """The schedule pass's options for one graph compile. Called on every rank before inductor's
+    cache lookup: an automatic CUDA budget is a collective (the least free memory over ranks)."""
+    budget, source = state.memory_budget, "memory_budget="
+    if budget is None and state.scheduler == "search" and state.device.type == "cuda":
+        budget = device_budget(state.group, state.device)
+        source = "the free device memory (least over the ranks, less a margin)"
+    elif budget is None:
+        source = "the planner's default (the greedy schedule's peak)"
+    profile = state.profile and state.scheduler != "none"
+    if profile and not state.cost_measured and state.group is not None and state.world_size > 1:
+        state.cost_model = measure_collectives(state.group, state.device)
+        state.cost_measured = True
+    return ScheduleContext(
+        scheduler=state.scheduler,
+        budget=budget,
+        budget_source=source,
+        world=state.world_size,
+        device_type=state.device.type,
+        group=state.group,
+        rank=state.rank,
+        trace_dir=state.trace_dir,
+        cost=state.cost_model,
+        profile=profile,
+        device=str(state.device),
+    )
+
+
+def _lower(
+    state: ZeroState, graph_id: int, graph: fx.Graph, is_backward: bool, ctx: ScheduleContext
+) -> None:
     lowered = lower_zero3(graph, graph_id, is_backward=is_backward)
     for ds_id, n in lowered.uses.items():
         state.registry.set_uses(graph_id, handle(ds_id).local_id, n)
+    schedule_graph(graph, graph_id, is_backward=is_backward, ctx=ctx)
 
 
 def make_backend(state: ZeroState, backend: str):
@@ -89,25 +128,36 @@ def make_backend(state: ZeroState, backend: str):
         check = functools.partial(_check, state, graph_id)
         lower = functools.partial(_lower, state, graph_id)
         # A cache hit would skip the partitioner, the rank check and the zero3 pass.
+        context = functools.partial(schedule_context, state)
         with torch._functorch.config.patch(enable_autograd_cache=False):
             if backend == "inductor":
-                return _inductor(gm, example_inputs, graph_id, check, lower)
-            return _eager(gm, example_inputs, check, lower)
+                return _inductor(gm, example_inputs, graph_id, check, lower, context)
+            return _eager(gm, example_inputs, check, lower, context)
 
     return zrs_backend
 
 
-def _inductor(gm: fx.GraphModule, example_inputs: list[Any], graph_id: int, check, lower):
+def _inductor(gm: fx.GraphModule, example_inputs: list[Any], graph_id: int, check, lower, context):
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def inner(gm: fx.GraphModule, inputs: list[Any], **kwargs: Any):
         is_backward = bool(kwargs.get("is_backward", False))
         check(gm.graph, is_backward)  # before inductor's cache lookup: every rank runs it
-        token = _CURRENT.set((graph_id, is_backward, lower))
+        ctx = context()  # likewise (the CUDA budget is a collective)
+        patches: dict[str, Any] = {"post_grad_custom_post_pass": LOWERING}
+        if ctx.scheduler != "none":
+            # Its topological sorts would undo the plan: a prefetch has no data edge to the
+            # gathers that consume it.
+            patches["reorder_for_peak_memory"] = False
+        if ctx.profile and ctx.world > 1:
+            # The profile inside the pass is exchanged between ranks: a cache hit on one rank
+            # only (which skips the pass) would leave the others waiting in the exchange.
+            patches["fx_graph_cache"] = False
+        token = _CURRENT.set((graph_id, is_backward, lower, ctx))
         try:
             # Patched here, not around compile_fx: the backward is compiled lazily, later.
-            with inductor_config.patch(post_grad_custom_post_pass=LOWERING):
+            with inductor_config.patch(patches):
                 return compile_fx_inner(gm, inputs, **kwargs)
         finally:
             _CURRENT.reset(token)
@@ -116,11 +166,11 @@ def _inductor(gm: fx.GraphModule, example_inputs: list[Any], graph_id: int, chec
         return compile_fx(gm, example_inputs, inner_compile=inner)
 
 
-def _eager(gm: fx.GraphModule, example_inputs: list[Any], check, lower):
+def _eager(gm: fx.GraphModule, example_inputs: list[Any], check, lower, context):
     def compiler(is_backward: bool):
         def run(gm: fx.GraphModule, inputs: list[Any]):
             check(gm.graph, is_backward)
-            lower(gm.graph, is_backward)
+            lower(gm.graph, is_backward, context())
             gm.recompile()
             return make_boxed_func(gm.forward)
 

@@ -17,6 +17,7 @@ import torch
 from torch.fx.node import has_side_effect
 
 from zrs import runtime
+from zrs._core import ZrsError
 
 LIB = torch.library.Library("zrs", "DEF")  # schemas as strings: they need alias annotations
 
@@ -136,9 +137,23 @@ def _release_param_fake(x, graph_id, ds_id, n_users, after):
     return x.view_as(x)
 
 
+# A `ScalarType[]` argument reaches a Python kernel as the ScalarType enum's ints (torch 2.11);
+# these are c10's stable codes for the float dtypes a gather can use.
+_SCALAR_TYPES = {5: torch.float16, 6: torch.float32, 7: torch.float64, 15: torch.bfloat16}
+
+
+def _as_dtype(d: torch.dtype | int) -> torch.dtype:
+    if isinstance(d, torch.dtype):
+        return d
+    try:
+        return _SCALAR_TYPES[d]
+    except KeyError:
+        raise ZrsError(f"prefetch_params_fused: unsupported gather dtype code {d}") from None
+
+
 @_impl("prefetch_params_fused")
 def _prefetch_params_fused(graph_id, shards, ds_ids, dtypes=None):
-    dtypes = dtypes or [s.dtype for s in shards]
+    dtypes = [_as_dtype(d) for d in dtypes] if dtypes else [s.dtype for s in shards]
     runtime.prefetch(list(shards), list(ds_ids), list(dtypes))
 
 

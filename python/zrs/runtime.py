@@ -41,6 +41,16 @@ class ZeroState:
     free_on_release: bool = True
     handles: list[ParamHandle] = field(default_factory=list)
     graph_ids: itertools.count = field(default_factory=itertools.count)
+    # Schedule pass (passes.schedule): "search", "greedy" or "none"; budget in bytes or None;
+    # directory for per-graph Chrome traces and memory plots, or None.
+    scheduler: str = "search"
+    memory_budget: int | None = None
+    trace_dir: str | None = None
+    # Measure compute and collective times for the planner (zrs.profile); the fitted collective
+    # cost model is measured once, at the first graph compile.
+    profile: bool = True
+    cost_model: dict | None = None
+    cost_measured: bool = False
 
 
 @dataclass(eq=False)

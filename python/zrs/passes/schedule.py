@@ -1,0 +1,550 @@
+"""Plan the lowered graph with the Rust planner and apply the plan to the FX graph.
+
+Runs right after the zero3 pass (``passes.zero3``), on the lowered forward or backward graph:
+
+1. **IR.** ``build_ir`` turns the graph into the planner's JSON IR (``docs/planner.md``), one IR
+   node per FX node, same index:
+
+   * ``allgather_param`` -> ``allgather`` (``bytes``: the gathered tensor, numel x itemsize);
+     ``wait_allgather`` -> ``wait``; ``release_param`` -> ``release``; ``reduce_grad`` ->
+     ``reduce_scatter`` (``bytes``: the full gradient); ``prefetch_params_fused``,
+     ``end_backward``, placeholders, the output, ``getitem`` and views -> ``other`` (no time);
+     every other node -> ``compute``.
+   * **Durations** (``estimate_us``) are analytic: ``floor + max(flops / FLOPS, bytes / BW)``,
+     FLOPs for mm / addmm / bmm / baddbmm / convolution(+backward) / scaled-dot-product attention
+     (+backward) from the meta shapes, bytes = inputs + outputs. The constants per device type are
+     in ``DEVICE_RATES``. Collectives get no duration: the planner's cost model times them
+     (``default_cost``: the measured ``nvlink`` preset on CUDA, a rough gloo model on CPU).
+   * **Memory**: a node that produces a new tensor allocates its output bytes; the bytes are
+     freed at the last user (in the graph's order before planning) of the output and of every
+     view of it, never if the output node uses it (returned or saved for backward). Views,
+     ``getitem``, ops whose output aliases an input and placeholders allocate nothing. Gathers
+     allocate and releases free by the planner's defaults.
+   * **Deps**: the FX data deps, plus ordering deps so the planner cannot reorder illegally: a
+     release after every use of its gathered tensor (through views, and every ``getitem`` of a
+     tuple-returning use); every impure node (release, reduce_grad, end_backward, in-place ops,
+     random ops) after the previous impure node; ``end_backward`` after every ``reduce_grad``; an
+     in-place op after the earlier readers of what it mutates, and later readers after it. Only
+     edges that point backwards in the original order are added, so the IR stays acyclic and the
+     original order is always a valid plan.
+
+2. **Plan.** ``zrs.plan.plan(ir, scheduler, budget, cost)`` returns a topological ``order`` of
+   the IR and fused prefetch ``groups``.
+
+3. **Apply.** ``apply_plan`` moves the FX nodes into the plan's order (placeholders stay first,
+   the output last) and, for each group of two or more all-gathers (split by gather dtype, each
+   parameter once, see ``FUSE_DOWNCAST_GATHERS``), inserts one
+   ``zrs.prefetch_params_fused(graph_id, shards, ds_ids, dtypes)`` right before the group's first
+   ``allgather_param``. The members' ``allgather_param`` nodes stay where the plan puts them and
+   take their buffer from the prefetch. With ``backend="inductor"`` the compiler turns inductor's
+   peak-memory reordering off, which would otherwise move a prefetch (it has no data edge to its
+   members) after them.
+
+Rank agreement: every input of the planner comes from the graph (meta shapes, constants), the
+options and the world size; symbolic sizes count as a fixed ``SYMBOLIC_DIM``, not their hint. Both
+schedulers are deterministic (the search's local refinement is bounded by a count of simulator
+runs, not by wall clock), and the rank check has already shown that the ranks lowered the same
+graph, so every rank plans alone and arrives at the same order and buckets. The CUDA budget is
+the minimum of the ranks' free memory, read before inductor's cache lookup.
+
+Measured profile: with ``zrs.compile(profile=True)`` (the default) the compute durations come
+from ``zrs.profile.profile_graph`` (the lowered graph run once on real tensors, collectives
+stubbed, the maximum over ranks) and the collectives from a fitted sweep
+(``zrs.profile.measure_collectives``, once per ``zrs.compile``); the analytic estimates above
+remain for nodes that could not run and for ``profile=False``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from zrs import plan as zplan
+from zrs._core import ZrsError
+from zrs.exchange import all_gather_bytes
+from zrs.passes._nodes import OPS, alias_closure, is_op, is_view, val
+from zrs.profile import profile_graph
+
+SCHEDULERS = ("search", "greedy", "none")
+
+# Analytic compute rates per device type: (FLOP/s, bytes/s, floor in microseconds). CUDA is an
+# H100/H200-class GPU in bf16 (the planner's synthetic graphs use the same figures); CPU is a
+# couple of cores in fp32. They only need to rank nodes sensibly against each other and against
+# the collectives; a measured profile replaces them.
+DEVICE_RATES: dict[str, tuple[float, float, float]] = {
+    "cuda": (700e12, 3e12, 3.0),
+    "cpu": (50e9, 10e9, 2.0),
+}
+# A symbolic (dynamic) dimension counts as this many elements: a hint could differ per rank.
+SYMBOLIC_DIM = 64
+# Collectives on CPU (gloo over loopback / TCP): a rough latency + bandwidth model.
+CPU_GLOO_LINK = {"latency_us": 50.0, "bus_gbps": 5.0}
+# Free device memory that an automatic (CUDA) budget leaves unused, and its rounding.
+BUDGET_MARGIN_BYTES = 1 << 30
+BUDGET_MARGIN_FRACTION = 0.1
+BUDGET_ROUND_BYTES = 256 << 20
+# Fuse gathers that downcast (param_dtype) into prefetch groups too; the groups are split by
+# gather dtype. False keeps them single (a switch for bisecting).
+FUSE_DOWNCAST_GATHERS = True
+
+_FREE_OPS = (operator.getitem,)
+_MATMULS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default,
+}
+_ADD_MATMULS = {torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default}
+
+
+@dataclass(frozen=True)
+class ScheduleContext:
+    """Everything the pass needs besides the graph; equal on every rank."""
+
+    scheduler: str = "search"
+    budget: int | None = None  # bytes; None: the planner's default (greedy's peak)
+    budget_source: str = "none"  # where the budget came from, for error messages
+    world: int = 1
+    device_type: str = "cpu"
+    group: Any = None  # torch.distributed ProcessGroup, or None for one process
+    rank: int = 0
+    trace_dir: str | None = None
+    # Cost model for the collectives: a preset name, a dict, or None for `default_cost`.
+    cost: str | dict[str, Any] | None = None
+    durations: Mapping[str, float] | None = field(default=None, compare=False)
+    # Time the lowered graph's compute nodes once on real tensors (`zrs.profile`) on this device.
+    profile: bool = False
+    device: str = "cpu"
+
+    def key(self) -> str:
+        """What the plan depends on besides the graph: part of inductor's FX cache key."""
+        cost = json.dumps(self.cost, sort_keys=True) if isinstance(self.cost, dict) else self.cost
+        return f"{self.scheduler}:{self.budget}:{self.world}:{self.device_type}:{cost}"
+
+
+@dataclass
+class Scheduled:
+    """What the pass did, for tests and the trace."""
+
+    ir: dict[str, Any]
+    plan: dict[str, Any] | None
+    prefetches: list[list[int]]  # ds_ids of each inserted prefetch_params_fused
+
+
+# --- sizes -------------------------------------------------------------------------------------
+
+
+def _dim(d: Any) -> int:
+    return d if isinstance(d, int) else SYMBOLIC_DIM
+
+
+def _numel(t: torch.Tensor) -> int:
+    return math.prod(_dim(d) for d in t.shape)
+
+
+def _bytes(t: Any) -> int:
+    return _numel(t) * t.dtype.itemsize if isinstance(t, torch.Tensor) else 0
+
+
+def _tensors(v: Any) -> list[torch.Tensor]:
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (tuple, list)):
+        return [t for x in v for t in _tensors(x)]
+    return []
+
+
+# --- durations ---------------------------------------------------------------------------------
+
+
+def _shape(n: Any) -> list[int]:
+    t = val(n) if isinstance(n, fx.Node) else None
+    return [_dim(d) for d in t.shape] if isinstance(t, torch.Tensor) else []
+
+
+def _attention_flops(q: list[int], k: list[int], v: list[int]) -> float:
+    if len(q) < 2 or len(k) < 2 or len(v) < 1:
+        return 0.0
+    batch = math.prod(q[:-2])
+    return 2.0 * batch * q[-2] * k[-2] * (q[-1] + v[-1])
+
+
+def flops(node: fx.Node) -> float:
+    """Floating-point operations of the big ops (0 for the rest)."""
+    target, args = node.target, node.args
+    if target in _MATMULS:
+        a, b = (args[1], args[2]) if target in _ADD_MATMULS else (args[0], args[1])
+        sa, sb = _shape(a), _shape(b)
+        if len(sa) < 2 or len(sb) < 2:
+            return 0.0
+        return 2.0 * math.prod(sa) * sb[-1]  # [.., m, k] @ [.., k, n]
+    name = str(target)
+    if target is torch.ops.aten.convolution.default:
+        w, out = _shape(args[1]), _shape(node)
+        if len(w) < 3 or not out:
+            return 0.0
+        transposed = bool(args[6]) if len(args) > 6 else False
+        work = math.prod(_shape(args[0])) if transposed else math.prod(out)
+        return 2.0 * work * w[1] * math.prod(w[2:])
+    if target is torch.ops.aten.convolution_backward.default:
+        grad_out, w = _shape(args[0]), _shape(args[2])
+        if len(w) < 3 or not grad_out:
+            return 0.0
+        return 2.0 * 2.0 * math.prod(grad_out) * w[1] * math.prod(w[2:])
+    if "attention" in name and ("scaled_dot_product" in name or "efficient" in name):
+        if "backward" in name:  # (grad_out, query, key, value, ...): about 2.5x the forward
+            return 2.5 * _attention_flops(_shape(args[1]), _shape(args[2]), _shape(args[3]))
+        return _attention_flops(_shape(args[0]), _shape(args[1]), _shape(args[2]))
+    return 0.0
+
+
+def estimate_us(node: fx.Node, device_type: str) -> float:
+    """Analytic device time of one compute node: floor + max(flops / FLOPS, bytes / BW)."""
+    rate, bandwidth, floor = DEVICE_RATES.get(device_type, DEVICE_RATES["cuda"])
+    moved = sum(_bytes(val(a)) for a in node.all_input_nodes)
+    moved += sum(_bytes(t) for t in _tensors(val(node)))
+    return floor + max(flops(node) / rate, moved / bandwidth) * 1e6
+
+
+def default_cost(device_type: str, world: int) -> str | dict[str, Any]:
+    """The analytic cost model of the collectives when nothing was measured."""
+    if device_type == "cuda":
+        return "nvlink"
+    return {
+        "name": "cpu_gloo",
+        "world": max(world, 1),
+        "allgather": dict(CPU_GLOO_LINK),
+        "reduce_scatter": dict(CPU_GLOO_LINK),
+    }
+
+
+# --- the IR ------------------------------------------------------------------------------------
+
+
+def _aliases_input(node: fx.Node) -> bool:
+    """The node's output is (a view of) one of its inputs: it allocates nothing."""
+    if node.op != "call_function":
+        return True
+    if node.target in _FREE_OPS or is_view(node):
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def _mutated(node: fx.Node) -> list[fx.Node]:
+    """Inputs that `node` writes in place (`Tensor(a!)` arguments)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    out: list[fx.Node] = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        items = value if isinstance(value, (list, tuple)) else [value]
+        out += [v for v in items if isinstance(v, fx.Node)]
+    return out
+
+
+def _kind(node: fx.Node) -> str:
+    if node.op != "call_function":
+        return "other"
+    for op, kind in (
+        ("allgather_param", "allgather"),
+        ("wait_allgather", "wait"),
+        ("release_param", "release"),
+        ("reduce_grad", "reduce_scatter"),
+        ("prefetch_params_fused", "other"),
+        ("end_backward", "other"),
+    ):
+        if is_op(node, op):
+            return kind
+    if node.target in _FREE_OPS or is_view(node):
+        return "other"
+    return "compute"
+
+
+def _release_uses(rel: fx.Node, wait: fx.Node) -> set[fx.Node]:
+    """Every node that reads the gathered tensor behind `rel`: users of the wait and its views,
+    and the getitems of tuple-returning users."""
+    closure = alias_closure(wait)
+    uses = {u for c in closure for u in c.users} | set(closure[1:])
+    for u in list(uses):
+        if isinstance(val(u), (tuple, list)):
+            uses |= {g for g in u.users if g.target is operator.getitem}
+    uses.discard(rel)
+    return {u for u in uses if not is_op(u, "release_param")}
+
+
+def _ordering_deps(nodes: list[fx.Node], index: dict[fx.Node, int], deps: list[set[int]]) -> None:
+    def add(after: fx.Node, before: fx.Node) -> None:
+        i, j = index[after], index[before]
+        if j < i:  # only backwards edges: the original order stays a valid plan, no cycles
+            deps[i].add(j)
+
+    last_wait: dict[int, fx.Node] = {}
+    prev_impure: fx.Node | None = None
+    reduces: list[fx.Node] = []
+    for n in nodes:
+        if is_op(n, "wait_allgather"):
+            last_wait[n.args[2]] = n
+        elif is_op(n, "release_param") and n.args[2] in last_wait:
+            for u in _release_uses(n, last_wait[n.args[2]]):
+                add(n, u)
+        if n.op != "call_function" or not n.is_impure():
+            continue
+        if prev_impure is not None:
+            add(n, prev_impure)
+        prev_impure = n
+        if is_op(n, "reduce_grad"):
+            reduces.append(n)
+        if is_op(n, "end_backward"):
+            for r in reduces:
+                add(n, r)
+        for m in _mutated(n):
+            for c in alias_closure(m):
+                for u in c.users:
+                    if u is not n:
+                        add(n, u)  # earlier readers first
+                        add(u, n)  # later readers after the write
+
+
+def _memory(nodes: list[fx.Node], index: dict[fx.Node, int]) -> tuple[list[int], list[int]]:
+    alloc, free = [0] * len(nodes), [0] * len(nodes)
+    for i, n in enumerate(nodes):
+        if _kind(n) != "compute" or _aliases_input(n):
+            continue
+        v = val(n)
+        if isinstance(v, torch.Tensor):
+            parts = [(v, [n])]
+        elif isinstance(v, (tuple, list)):
+            getitems = [u for u in n.users if u.target is operator.getitem]
+            parts = [
+                (t, [g for g in getitems if g.args[1] == k])
+                for k, t in enumerate(v)
+                if isinstance(t, torch.Tensor)
+            ]
+        else:
+            continue
+        for t, holders in parts:
+            size = _bytes(t)
+            if size == 0:
+                continue
+            alloc[i] += size
+            users: set[fx.Node] = set()
+            for h in holders:
+                closure = alias_closure(h)
+                users |= {u for c in closure for u in c.users} - set(closure)
+            users = {u for u in users if not is_op(u, "release_param")}
+            if any(u.op == "output" for u in users):
+                continue  # returned or saved for backward: outlives the graph
+            last = max(users, key=index.__getitem__, default=n)
+            free[index[last]] += size
+    return alloc, free
+
+
+def build_ir(
+    graph: fx.Graph,
+    *,
+    device_type: str = "cpu",
+    world: int = 1,
+    durations: Mapping[str, float] | None = None,
+) -> tuple[dict[str, Any], list[fx.Node]]:
+    """The planner IR of a lowered graph, and the FX node behind each IR index.
+
+    ``durations`` (node name -> microseconds) overrides the analytic estimate: the hook for a
+    measured profile.
+    """
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    deps = [{index[a] for a in n.all_input_nodes} for n in nodes]
+    _ordering_deps(nodes, index, deps)
+    alloc, free = _memory(nodes, index)
+    specs = []
+    for i, n in enumerate(nodes):
+        kind = _kind(n)
+        spec: dict[str, Any] = {"name": n.name, "kind": kind, "deps": sorted(deps[i])}
+        if kind in ("allgather", "wait", "release", "reduce_scatter"):
+            spec["ds_id"] = int(n.args[2])
+        if kind == "allgather":
+            spec["bytes"] = _bytes(val(n))
+        elif kind == "reduce_scatter":
+            spec["bytes"] = _bytes(val(n.args[0]))
+        elif kind == "compute":
+            us = durations.get(n.name) if durations is not None else None
+            spec["duration_us"] = float(us) if us is not None else estimate_us(n, device_type)
+        if alloc[i]:
+            spec["alloc_bytes"] = alloc[i]
+        if free[i]:
+            spec["free_bytes"] = free[i]
+        specs.append(spec)
+    return {"nodes": specs, "budget_bytes": None, "base_bytes": 0, "world": max(world, 1)}, nodes
+
+
+# --- applying a plan ---------------------------------------------------------------------------
+
+
+def _reorder(graph: fx.Graph, nodes: list[fx.Node], order: list[int]) -> None:
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    anchor = placeholders[-1] if placeholders else None
+    for i in order:
+        n = nodes[i]
+        if n.op in ("placeholder", "output"):
+            continue
+        if anchor is None:
+            first = next(iter(graph.nodes))
+            if first is not n:
+                first.prepend(n)
+        elif anchor.next is not n:
+            anchor.append(n)
+        anchor = n
+
+
+def _downcast(ag: fx.Node) -> bool:
+    shard = val(ag.args[0])
+    return not isinstance(shard, torch.Tensor) or shard.dtype != val(ag).dtype
+
+
+def _prefetch_groups(
+    members: list[fx.Node], pos: dict[fx.Node, int]
+) -> list[tuple[fx.Node, list[fx.Node]]]:
+    """Split one planner group into runtime groups: one dtype each, each parameter once, every
+    shard defined before the group's first gather. Returns (first gather, members)."""
+    by_dtype: dict[torch.dtype, list[fx.Node]] = {}
+    seen: set[int] = set()
+    for ag in sorted(members, key=pos.__getitem__):
+        if ag.args[2] in seen or not isinstance(val(ag), torch.Tensor):
+            continue
+        if not FUSE_DOWNCAST_GATHERS and _downcast(ag):
+            continue
+        seen.add(ag.args[2])
+        by_dtype.setdefault(val(ag).dtype, []).append(ag)
+    out = []
+    for group in by_dtype.values():
+        first = group[0]
+        group = [ag for ag in group if pos[ag.args[0]] < pos[first]]
+        if len(group) >= 2:
+            out.append((first, group))
+    return out
+
+
+def apply_plan(
+    graph: fx.Graph,
+    nodes: list[fx.Node],
+    order: list[int],
+    groups: list[list[int]],
+    graph_id: int,
+) -> list[list[int]]:
+    """Reorder `graph` to `order` (IR indices) and insert one prefetch per fused group.
+
+    Returns the ds_ids of each inserted `prefetch_params_fused`.
+    """
+    if sorted(order) != list(range(len(nodes))):
+        raise ZrsError(
+            f"graph {graph_id}: the planner's order is not a permutation of the graph's "
+            f"{len(nodes)} nodes; this is a planner bug, please report it (scheduler='none' "
+            "works around it)"
+        )
+    _reorder(graph, nodes, order)
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    inserted = []
+    for group in groups:
+        members = [nodes[i] for i in group if is_op(nodes[i], "allgather_param")]
+        for first, sub in _prefetch_groups(members, pos):
+            with graph.inserting_before(first):
+                pf = graph.call_function(
+                    OPS.prefetch_params_fused.default,
+                    (graph_id, [ag.args[0] for ag in sub], [ag.args[2] for ag in sub]),
+                    {"dtypes": [val(ag).dtype for ag in sub] if FUSE_DOWNCAST_GATHERS else None},
+                )
+            pf.meta["val"] = None
+            inserted.append([int(ag.args[2]) for ag in sub])
+    graph.lint()
+    return inserted
+
+
+# --- planning ----------------------------------------------------------------------------------
+
+
+def _what(graph_id: int, is_backward: bool) -> str:
+    return f"{'backward' if is_backward else 'forward'} graph {graph_id}"
+
+
+def _plan_local(ir: dict[str, Any], ctx: ScheduleContext, detail: bool) -> dict[str, Any]:
+    cost = ctx.cost if ctx.cost is not None else default_cost(ctx.device_type, ctx.world)
+    return zplan.plan(ir, ctx.scheduler, ctx.budget, cost, detail=detail)
+
+
+def _budget_error(msg: str, what: str, ctx: ScheduleContext) -> ZrsError:
+    return ZrsError(
+        f"{what}: {msg}. The budget came from {ctx.budget_source}; pass "
+        "zrs.compile(..., memory_budget=BYTES) with at least that many bytes, or "
+        "memory_budget=None on CPU, or scheduler='greedy' to plan without a budget"
+    )
+
+
+def _write_trace(ir, p, ctx: ScheduleContext, graph_id: int, is_backward: bool) -> None:
+    out = Path(ctx.trace_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"graph{graph_id}_{'bw' if is_backward else 'fw'}"
+    cost = ctx.cost if ctx.cost is not None else default_cost(ctx.device_type, ctx.world)
+    Path(f"{stem}.ir.json").write_text(json.dumps({**ir, "budget_bytes": ctx.budget}))
+    zplan.write_trace(ir, f"{stem}.trace.json", ctx.scheduler, ctx.budget, cost)
+    plans = [p]
+    if ctx.scheduler != "greedy":
+        plans.insert(0, zplan.plan(ir, "greedy", ctx.budget, cost, detail=True))
+    zplan.plot_memory(plans, f"{stem}.memory.png")
+
+
+def schedule_graph(
+    graph: fx.Graph, graph_id: int, *, is_backward: bool, ctx: ScheduleContext
+) -> Scheduled | None:
+    """Plan the lowered `graph` and apply the plan in place; None for scheduler='none'."""
+    if ctx.scheduler == "none":
+        return None
+    what = _what(graph_id, is_backward)
+    durations = ctx.durations
+    if durations is None and ctx.profile:
+        durations = profile_graph(graph, torch.device(ctx.device), ctx.group)
+    ir, nodes = build_ir(graph, device_type=ctx.device_type, world=ctx.world, durations=durations)
+    trace = bool(ctx.trace_dir) and ctx.rank == 0
+    try:
+        p = _plan_local(ir, ctx, detail=trace)
+    except ZrsError as e:
+        if "infeasible" in str(e):
+            raise _budget_error(str(e), what, ctx) from None
+        raise ZrsError(f"{what}: planning failed: {e}") from None
+    prefetches = apply_plan(graph, nodes, p["order"], p["groups"], graph_id)
+    if trace:
+        _write_trace(ir, p, ctx, graph_id, is_backward)
+    return Scheduled(ir=ir, plan=p, prefetches=prefetches)
+
+
+# --- the budget --------------------------------------------------------------------------------
+
+
+def device_budget(group: Any, device: torch.device) -> int:
+    """Free memory of `device`, the least over the ranks, less a margin, rounded down."""
+    free, _ = torch.cuda.mem_get_info(device)
+    if group is not None and dist.get_world_size(group) > 1:
+        everyone = all_gather_bytes(free.to_bytes(8, "little"), group)
+        free = min(int.from_bytes(b, "little") for b in everyone)
+    budget = free - max(BUDGET_MARGIN_BYTES, int(free * BUDGET_MARGIN_FRACTION))
+    return max(budget // BUDGET_ROUND_BYTES * BUDGET_ROUND_BYTES, 0)
+
+
+def trace_dir_from_env(trace_dir: str | os.PathLike | None) -> str | None:
+    """The trace directory: the option, else the ZRS_PLAN_TRACE environment variable."""
+    if trace_dir is not None:
+        return os.fspath(trace_dir)
+    return os.environ.get("ZRS_PLAN_TRACE") or None

@@ -1,0 +1,229 @@
+"""One-time measurements that feed the planner's cost model.
+
+* `profile_graph`: the device time of every compute node of a lowered graph, from running the graph
+  once on real tensors of its shapes with the zrs collectives stubbed out (a gather becomes an
+  uninitialised buffer, nothing is communicated). Integer inputs are zeros, so embeddings and
+  index ops stay in range; a node that cannot run on such data keeps the analytic estimate.
+* `measure_collectives`: a short sweep of all-gather and reduce-scatter sizes on the process group,
+  fitted to latency + bytes / bandwidth (`zrs.plan.fit_cost_model`).
+
+Both are timings, so they differ a little between ranks; the planner must see the same numbers
+everywhere (a different plan on one rank pairs its collectives with other ranks' different ones).
+The ranks exchange their measurements and all take the element-wise maximum.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx
+from torch._dispatch.python import no_python_dispatcher
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from zrs import plan as zplan
+from zrs._core import ZrsError
+from zrs.exchange import all_gather_bytes, all_gather_kept, reduce_scatter_kept
+from zrs.passes._nodes import OPS, val
+
+_log = logging.getLogger(__name__)
+
+# Sizes of the collective sweep (full bytes, all ranks together) and repetitions per size.
+SWEEP_BYTES = {
+    "cuda": (1 << 16, 1 << 20, 8 << 20, 64 << 20),
+    "cpu": (1 << 12, 1 << 16, 1 << 20, 4 << 20),
+}
+SWEEP_REPS = 3  # the fastest of these counts: noise (other processes, clocks) only adds time
+
+_STUB_ALIAS = {OPS.wait_allgather.default, OPS.release_param.default}
+_STUB_NONE = {
+    OPS.prefetch_params_fused.default,
+    OPS.reduce_grad.default,
+    OPS.end_backward.default,
+}
+
+
+# --- agreeing on measurements -------------------------------------------------------------------
+
+
+def agree_max(values: list[float], group: dist.ProcessGroup | None) -> list[float]:
+    """The element-wise maximum of every rank's `values` (the same length on every rank)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return values
+    rows = [json.loads(b) for b in all_gather_bytes(json.dumps(values).encode(), group)]
+    return [max(col) for col in zip(*rows, strict=True)]
+
+
+# --- compute profile ----------------------------------------------------------------------------
+
+
+def _concrete(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and all(isinstance(d, int) for d in t.shape)
+
+
+def _real(t: Any, device: torch.device) -> Any:
+    """A real tensor shaped like the fake `t` (random floats, zero integers)."""
+    if isinstance(t, (tuple, list)):
+        return type(t)(_real(x, device) for x in t)
+    if not isinstance(t, torch.Tensor):
+        return t
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        return torch.randn(t.shape, dtype=t.dtype, device=device)
+    return torch.zeros(t.shape, dtype=t.dtype, device=device)
+
+
+class _Timer:
+    """Device time of a region: CUDA events on a GPU, the wall clock on a CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.pending: list[tuple[str, Any, Any]] = []
+        self.times: dict[str, float] = {}
+
+    def start(self) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def stop(self, name: str, begin: Any) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.pending.append((name, begin, end))
+        else:
+            self.times[name] = (time.perf_counter() - begin) * 1e6
+
+    def result(self) -> dict[str, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            for name, begin, end in self.pending:
+                self.times[name] = begin.elapsed_time(end) * 1e3
+        return self.times
+
+
+def _run_once(graph: fx.Graph, device: torch.device) -> dict[str, float]:
+    nodes = list(graph.nodes)
+    last_use = {}
+    for i, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            last_use[a] = i
+    env: dict[fx.Node, Any] = {}
+    timer = _Timer(device)
+    for i, n in enumerate(nodes):
+        if n.op == "placeholder":
+            env[n] = _real(val(n), device)
+        elif n.op == "call_function":
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+            if n.target is OPS.allgather_param.default:
+                env[n] = _real(val(n), device)
+            elif n.target in _STUB_ALIAS:
+                env[n] = args[0]
+            elif n.target in _STUB_NONE:
+                env[n] = None
+            else:
+                begin = timer.start()
+                try:
+                    env[n] = n.target(*args, **kwargs)
+                except Exception:
+                    env[n] = _real(val(n), device)  # keeps the analytic estimate
+                else:
+                    timer.stop(n.name, begin)
+        for a in n.all_input_nodes:
+            if last_use.get(a) == i:
+                env.pop(a, None)
+    return timer.result()
+
+
+def profile_graph(
+    graph: fx.Graph, device: torch.device, group: dist.ProcessGroup | None
+) -> dict[str, float] | None:
+    """Microseconds per compute node name, agreed over the ranks; None when the graph has
+    symbolic shapes (nothing concrete to run). Runs the graph twice and keeps the second run."""
+    nodes = [n for n in graph.nodes if n.op in ("placeholder", "call_function")]
+    symbolic = any(
+        not _concrete(t)
+        for n in nodes
+        for t in (val(n) if isinstance(val(n), (tuple, list)) else [val(n)])
+        if isinstance(t, torch.Tensor)
+    )
+    if symbolic:
+        return None
+    with unset_fake_temporarily(), no_python_dispatcher(), torch.no_grad():
+        state = torch.random.get_rng_state()
+        cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        try:
+            _run_once(graph, device)  # warm-up: library handles, caches, allocator
+            times = _run_once(graph, device)
+        finally:
+            torch.random.set_rng_state(state)
+            if cuda_state is not None:
+                torch.cuda.set_rng_state(cuda_state, device)
+    names = [n.name for n in graph.nodes if n.op == "call_function"]
+    # -1: not timed (a stub, or it raised); the maximum keeps any rank's measurement.
+    agreed = agree_max([times.get(name, -1.0) for name in names], group)
+    return {name: t for name, t in zip(names, agreed, strict=True) if t >= 0}
+
+
+# --- collective sweep ---------------------------------------------------------------------------
+
+
+def _timed(fn, args: tuple, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn(*args)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) * 1e6
+
+
+def measure_collectives(group: dist.ProcessGroup, device: torch.device) -> dict[str, Any] | None:
+    """Fit the planner's collective cost model to a short sweep on `group` (every rank calls
+    this at the same point). Returns the cost model as a dict for `zrs.plan`, or None when the
+    sweep cannot be fitted (then the planner uses its analytic default)."""
+    world = dist.get_world_size(group)
+    sizes = SWEEP_BYTES.get(device.type, SWEEP_BYTES["cpu"])
+    samples: dict[str, list[float]] = {"allgather": [], "reduce_scatter": []}
+    with unset_fake_temporarily(), no_python_dispatcher():
+        for full_bytes in sizes:
+            per_rank = max(full_bytes // 4 // world, 1)
+            shard = torch.zeros(per_rank, dtype=torch.float32, device=device)
+            full = torch.zeros(per_rank * world, dtype=torch.float32, device=device)
+            for name, fn, args in (
+                ("allgather", all_gather_kept, (full, shard, group)),
+                ("reduce_scatter", reduce_scatter_kept, (shard, full, group)),
+            ):
+                fn(*args)  # warm-up (connection setup, NCCL channels)
+                times = [_timed(fn, args, device) for _ in range(SWEEP_REPS)]
+                samples[name].append(min(times))
+    flat = agree_max(samples["allgather"] + samples["reduce_scatter"], group)
+    n = len(sizes)
+    full_sizes = [max(b // 4 // world, 1) * 4 * world for b in sizes]
+    try:
+        model = zplan.fit_cost_model(
+            list(zip(full_sizes, flat[:n], strict=True)),
+            list(zip(full_sizes, flat[n:], strict=True)),
+            world,
+        )
+    except ZrsError as e:
+        # A sweep too noisy to fit (a busy CPU machine): every rank got the same numbers, so
+        # every rank falls back alike.
+        _log.info("collective sweep not usable (%s); using the analytic cost model", e)
+        return None
+    if not all(math.isfinite(v) for v in _numbers(model)):
+        _log.info("collective sweep gave a non-finite model %s; using the analytic one", model)
+        return None
+    return model
+
+
+def _numbers(obj: Any) -> list[float]:
+    if isinstance(obj, dict):
+        return [x for v in obj.values() for x in _numbers(v)]
+    return [float(obj)] if isinstance(obj, (int, float)) and not isinstance(obj, bool) else []

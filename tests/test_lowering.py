@@ -77,3 +77,20 @@ def test_both_graphs_are_lowered(lowered, backend, param_dtype):
     for h in model._zrs_state.handles:
         assert (h.shard.grad is not None) == h.shard.requires_grad
         assert model._zrs_state.registry.info(h.local_id).holders == 0, "every gather released"
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_torch_nn_container_is_captured_whole(backend):
+    """An nn.Sequential (forward defined in torch.nn) compiles into one graph with every gather
+    in it, not one graph per parameter with eager compute in between."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    model = zrs.compile(model, backend=backend)
+    with inductor_config.patch(fx_graph_cache=False):
+        model(torch.randn(4, 6)).sum().backward()
+    runtime.reset()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]

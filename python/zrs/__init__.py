@@ -8,6 +8,7 @@ opt = torch.optim.AdamW(model.parameters())   # the parameters are the local fp3
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -137,5 +138,21 @@ def compile(
     model._zrs_state = state
     if param_dtype is not None:
         model.register_forward_pre_hook(_cast_inputs(param_dtype), with_kwargs=True)
-    model.compile(backend=make_backend(state, backend))
+    _compile_in_place(model, make_backend(state, backend))
     return model
+
+
+def _compile_in_place(model: nn.Module, backend: Any) -> None:
+    """What `model.compile(backend=...)` does, but entered through a frame of zrs code.
+
+    `nn.Module.compile` compiles `model._call_impl`, and dynamo (torch 2.11) captures nothing when
+    the model's `forward` is torch.nn's own, e.g. an `nn.Sequential`: only the gather properties
+    (zrs code) were compiled, as one tiny graph per parameter, and the model ran eagerly between
+    them. Dynamo traces an entry frame outside torch and inlines `_call_impl` and `forward`.
+    """
+    call_impl = model._call_impl
+
+    def zrs_forward(*args: Any, **kwargs: Any) -> Any:
+        return call_impl(*args, **kwargs)
+
+    model._compiled_call_impl = torch.compile(zrs_forward, backend=backend)

@@ -29,7 +29,9 @@ from zoo import (
 )
 
 WORLD_SIZES = (1, 2, 3)
-BACKENDS = ("eager", "inductor")
+# A backend, optionally with a scheduler after "-" (default: zrs.compile's, the search). The
+# greedy scheduler runs the zoo too, on the cheaper eager backend.
+BACKENDS = ("eager", "inductor", "eager-greedy")
 MODELS = tuple(ZOO)
 
 # fp32 end to end: sharding, gathering and the pre-divided reduce-scatter only change the order
@@ -47,10 +49,15 @@ PARAMS = [
 ]
 
 
+def _case(model: str, variant: str, **kw) -> Case:
+    backend, _, scheduler = variant.partition("-")
+    return Case(model, backend, scheduler=scheduler or None, **kw)
+
+
 def _cases(backend: str) -> list[Case]:
     # The first case uses the default process group (process_group=None), the others a fresh
     # group each (see Case.default_group).
-    return [Case(model, backend, default_group=i == 0) for i, model in enumerate(MODELS)]
+    return [_case(model, backend, default_group=i == 0) for i, model in enumerate(MODELS)]
 
 
 def _group(backend: str, world: int) -> list[dict[str, dict]]:
@@ -65,7 +72,7 @@ def _reference(model: str, world: int) -> Reference:
 def _run(
     backend: str, world: int, model: str, *, brief: bool = True
 ) -> tuple[list[dict], Reference]:
-    per_rank = case_outcome(_group(backend, world), Case(model, backend).key, brief=brief)
+    per_rank = case_outcome(_group(backend, world), _case(model, backend).key, brief=brief)
     return per_rank, _reference(model, world)
 
 

@@ -351,6 +351,7 @@ class Case:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     steps: int = STEPS
+    scheduler: str | None = None  # None: zrs.compile's default
     # True: pass process_group=None (the default group). False: a fresh group for this case
     # alone, so that a failure in one case cannot leave stale messages for the next one.
     default_group: bool = False
@@ -358,7 +359,8 @@ class Case:
     @property
     def key(self) -> str:
         dtype = "" if self.param_dtype is None else f"-{str(self.param_dtype).split('.')[-1]}"
-        return f"{self.backend}-{self.model}{dtype}"
+        sched = "" if self.scheduler is None else f"-{self.scheduler}"
+        return f"{self.backend}{sched}-{self.model}{dtype}"
 
 
 def _train_zrs(rank: int, case: Case, group: object) -> dict:
@@ -374,6 +376,8 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
         kwargs["param_dtype"] = case.param_dtype
     if case.reduce_dtype is not None:
         kwargs["reduce_dtype"] = case.reduce_dtype
+    if case.scheduler is not None:
+        kwargs["scheduler"] = case.scheduler
     compiled = zrs.compile(model, **kwargs)
     local = [(p.numel(), p.dtype, p.requires_grad) for p in model.parameters()]
     output_dtypes: list[torch.dtype] = []

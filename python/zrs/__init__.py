@@ -7,6 +7,7 @@ opt = torch.optim.AdamW(model.parameters())   # the parameters are the local fp3
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
@@ -142,6 +143,9 @@ def compile(
     return model
 
 
+_ENTRIES = itertools.count()
+
+
 def _compile_in_place(model: nn.Module, backend: Any) -> None:
     """What `model.compile(backend=...)` does, but entered through a frame of zrs code.
 
@@ -155,4 +159,8 @@ def _compile_in_place(model: nn.Module, backend: Any) -> None:
     def zrs_forward(*args: Any, **kwargs: Any) -> Any:
         return call_impl(*args, **kwargs)
 
+    # Dynamo keeps its compiled entries on the code object, and a second zrs.compile of the same
+    # class and shapes passed the first one's guards (it ran with the first model's backend and
+    # zero state). A code object of its own per model keeps their entries apart.
+    zrs_forward.__code__ = zrs_forward.__code__.replace(co_name=f"zrs_forward_{next(_ENTRIES)}")
     model._compiled_call_impl = torch.compile(zrs_forward, backend=backend)

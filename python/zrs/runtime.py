@@ -139,18 +139,15 @@ def gather_full(h: ParamHandle, shard: torch.Tensor, dtype: torch.dtype | None) 
     return buf.narrow(0, 0, h.numel).view(h.shape)
 
 
-def pack_grad(h: ParamHandle, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Flatten, pre-divide by the world size, cast and pad a full gradient to padded numel."""
-    flat = torch.zeros(h.padded_numel, dtype=dtype, device=grad.device)
-    flat[: h.numel].copy_(grad.reshape(-1))
-    return flat.div_(h.state.world_size)
-
-
 def reduce_scatter_full(h: ParamHandle, grad: torch.Tensor) -> torch.Tensor:
     """Synchronous reduce-scatter of one full gradient into this rank's shard (mean over ranks)."""
-    packed = pack_grad(h, grad, h.state.reduce_dtype)
-    out = torch.empty(h.shard_numel, dtype=h.state.reduce_dtype, device=grad.device)
-    reduce_scatter(out, packed, h.state.group, async_op=False)
+    state = h.state
+    packed = torch.empty(
+        state.world_size, h.shard_numel, dtype=state.reduce_dtype, device=grad.device
+    )
+    torch.ops.zrs.pack_grads([grad], state.world_size, 1.0 / state.world_size, packed)
+    out = torch.empty(h.shard_numel, dtype=state.reduce_dtype, device=grad.device)
+    reduce_scatter(out, packed.view(-1), state.group, async_op=False)
     return out.to(h.shard.dtype)
 
 
@@ -174,9 +171,13 @@ class _InFlight:
         if not self.fused:
             return
         world = self.members[0][0].state.world_size
-        blocks = self.recv.view(world, self.block)
-        for h, off in self.members:
-            _BUFFERS[h.ds_id].view(world, h.shard_numel).copy_(blocks[:, off : off + h.shard_numel])
+        torch.ops.zrs.unpack_rank_major(
+            self.recv,
+            world,
+            [off for _, off in self.members],
+            [h.shard_numel for h, _ in self.members],
+            [_BUFFERS[h.ds_id] for h, _ in self.members],
+        )
 
 
 _BUFFERS: dict[int, torch.Tensor] = {}  # ds_id -> gathered padded flat buffer
@@ -218,7 +219,8 @@ def issue_gather(
         raise ZrsError("a fused prefetch group mixes gather dtypes; the planner must split it")
     offsets = list(itertools.accumulate((h.shard_numel for h, _, _ in todo), initial=0))
     block = offsets[-1]
-    send = torch.cat([s.detach().to(dtype).reshape(-1) for _, s, _ in todo])
+    send = torch.empty(block, dtype=dtype, device=device)
+    torch.ops.zrs.pack_cast([s.detach() for _, s, _ in todo], send)
     recv = torch.empty(block * state.world_size, dtype=dtype, device=device)
     work = all_gather(recv, send, state.group, async_op=True)
     flight = _InFlight(
@@ -273,9 +275,14 @@ def release(ds_id: int) -> None:
 
 @dataclass(eq=False)
 class _Bucket:
+    """Gradients packed rank-major into `buf` (world, capacity): member i's shard for rank r sits
+    at buf[r, off_i : off_i + shard_i], so one reduce-scatter of buf leaves each rank its shards
+    side by side."""
+
     state: ZeroState
-    grads: list[tuple[ParamHandle, torch.Tensor]] = field(default_factory=list)  # (W, shard)
-    numel: int = 0  # shard elements per rank
+    buf: torch.Tensor
+    members: list[tuple[ParamHandle, int]] = field(default_factory=list)  # (handle, column)
+    used: int = 0  # columns filled
 
 
 @dataclass(eq=False)
@@ -288,34 +295,57 @@ class _Reduce:
 _BUCKETS: dict[tuple[int, torch.dtype], _Bucket] = {}
 _REDUCING: list[_Reduce] = []
 _callback_queued = False
+# Reduce-scatters in flight at most: a bucket fills while the previous one is reduced (double
+# buffering); a third waits for the oldest, which bounds the gradient memory to a few buckets.
+MAX_IN_FLIGHT_REDUCES = 2
 
 
 def reduce_grad(grad: torch.Tensor, ds_id: int) -> None:
     h = handle(ds_id)
     state = h.state
     key = (id(state), state.reduce_dtype)
-    bucket = _BUCKETS.setdefault(key, _Bucket(state))
-    # Pack now: once this op returns, the compiled graph may reuse the gradient's memory.
-    packed = pack_grad(h, grad, state.reduce_dtype).view(state.world_size, h.shard_numel)
-    bucket.grads.append((h, packed))
-    bucket.numel += h.shard_numel
+    bucket = _BUCKETS.get(key)
+    if bucket is not None and bucket.used + h.shard_numel > bucket.buf.size(1):
+        _flush(key)
+        bucket = None
+    if bucket is None:
+        cap = max(GRAD_BUCKET_NUMEL, h.shard_numel)
+        buf = torch.empty(state.world_size, cap, dtype=state.reduce_dtype, device=grad.device)
+        bucket = _BUCKETS[key] = _Bucket(state, buf)
+    # Pack now (pre-divided, cast, zero padding): once this op returns, the compiled graph may
+    # reuse the gradient's memory.
+    cols = bucket.buf.narrow(1, bucket.used, h.shard_numel)
+    torch.ops.zrs.pack_grads([grad], state.world_size, 1.0 / state.world_size, cols)
+    bucket.members.append((h, bucket.used))
+    bucket.used += h.shard_numel
     _queue_final_callback()
-    if bucket.numel >= GRAD_BUCKET_NUMEL:
+    if bucket.used == bucket.buf.size(1):
         _flush(key)
 
 
 def _flush(key: tuple[int, torch.dtype]) -> None:
     bucket = _BUCKETS.pop(key)
+    while len(_REDUCING) >= MAX_IN_FLIGHT_REDUCES:
+        _complete(_REDUCING.pop(0))
     state, dtype = bucket.state, key[1]
-    device = bucket.grads[0][1].device
-    # rank-major: rank r's block holds every member's r-th shard, so one reduce-scatter leaves
-    # each rank with its own shards side by side.
-    packed = torch.cat([g for _, g in bucket.grads], dim=1)
-    offsets = itertools.accumulate((h.shard_numel for h, _ in bucket.grads), initial=0)
-    members = [(h, off) for (h, _), off in zip(bucket.grads, offsets, strict=False)]
-    out = torch.empty(bucket.numel, dtype=dtype, device=device)
+    packed = bucket.buf
+    if bucket.used < packed.size(1):
+        packed = packed.narrow(1, 0, bucket.used).contiguous()  # a partly filled last bucket
+    out = torch.empty(bucket.used, dtype=dtype, device=packed.device)
     work = reduce_scatter(out, packed.view(-1), state.group, async_op=True)
-    _REDUCING.append(_Reduce(work, out, members))
+    _REDUCING.append(_Reduce(work, out, bucket.members))
+
+
+def _complete(r: _Reduce) -> None:
+    """Wait for one reduce-scatter and accumulate its shards into the parameters' `.grad`."""
+    if r.work is not None:
+        r.work.wait()
+    for h, off in r.members:
+        g = r.out[off : off + h.shard_numel].to(h.shard.dtype)
+        if h.shard.grad is None:
+            h.shard.grad = g.clone()  # own storage, not a view of the bucket
+        else:
+            h.shard.grad.add_(g)
 
 
 def flush_grads() -> None:
@@ -329,15 +359,7 @@ def finish_grads() -> None:
     _callback_queued = False
     flush_grads()
     while _REDUCING:
-        r = _REDUCING.pop(0)
-        if r.work is not None:
-            r.work.wait()
-        for h, off in r.members:
-            g = r.out[off : off + h.shard_numel].to(h.shard.dtype)
-            if h.shard.grad is None:
-                h.shard.grad = g.clone()  # own storage, not a view of the bucket
-            else:
-                h.shard.grad.add_(g)
+        _complete(_REDUCING.pop(0))
 
 
 def _queue_final_callback() -> None:

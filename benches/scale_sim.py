@@ -1,0 +1,111 @@
+"""Simulated step time and exposed communication at 2 to 64 ranks (the planner's simulator).
+
+For the 1b and 7b presets (`zrs.plan.synthetic`: one rank's training graph of the Llama-style
+decoder with per-rank micro-batch 4, sequence 2048), plan with the greedy baseline and the search
+under a ring cost model that grows with the world size, and print one JSON line per
+(preset, world): compute, makespan and exposed communication of both schedulers.
+
+The cost model per world size W (ring all-gather and reduce-scatter, `docs/planner.md`):
+  time = latency(W) + bytes * (W - 1) / W / bus_bandwidth
+  * one node (W <= 8, NVLink): the bus bandwidth and the per-step latency fitted from the measured
+    2xH200 NVLink sweep (the planner's "nvlink" preset);
+  * several nodes (W > 8): bus bandwidth 50 GB/s per GPU (the inter-node link), the same per-step
+    latency;
+  * latency(W) = (W - 1) x the measured 2-rank latency: a ring takes W - 1 steps.
+The memory budget is the greedy schedule's peak (the search must win within the same memory).
+
+    python benches/scale_sim.py [--worlds 2,4,8,64] [--presets 1b,7b] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+from zrs import plan as zplan
+
+GPUS_PER_NODE = 8
+INTERNODE_BUS_GBPS = 50.0
+
+
+def ring_cost(world: int) -> dict[str, Any]:
+    """The cost model of one world size (see the module docstring)."""
+    measured = zplan.cost_model("nvlink", 2)
+    out: dict[str, Any] = {
+        "name": f"ring_w{world}" + ("_internode" if world > GPUS_PER_NODE else "_nvlink"),
+        "world": world,
+    }
+    for kind in ("allgather", "reduce_scatter"):
+        link = measured[kind]
+        bus = link["bus_gbps"] if world <= GPUS_PER_NODE else INTERNODE_BUS_GBPS
+        out[kind] = {"latency_us": link["latency_us"] * (world - 1), "bus_gbps": bus}
+    return out
+
+
+def simulate(preset: str, world: int) -> dict[str, Any]:
+    graph = zplan.synthetic(0, preset, world)
+    cost = ring_cost(world)
+    t0 = time.perf_counter()
+    summary = zplan.compare(graph, None, cost)
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    row: dict[str, Any] = {
+        "preset": preset,
+        "world": world,
+        "cost_model": cost,
+        "nodes": summary["nodes"],
+    }
+    for sched in ("greedy", "search"):
+        s = summary[sched]
+        row[sched] = {
+            k: round(s[k], 3) if isinstance(s[k], float) else s[k]
+            for k in ("compute_ms", "makespan_ms", "exposed_comm_ms", "peak_bytes", "groups")
+        }
+    g, s = row["greedy"], row["search"]
+    row["exposed_reduction"] = (
+        round(1 - s["exposed_comm_ms"] / g["exposed_comm_ms"], 4) if g["exposed_comm_ms"] else 0.0
+    )
+    row["plan_ms"] = round(summary["plan_ms"], 2)
+    row["compare_wall_ms"] = round(wall_ms, 1)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--worlds", default="2,4,8,64")
+    p.add_argument("--presets", default="1b,7b")
+    p.add_argument("--out", type=Path, help="append the JSON lines to this file")
+    args = p.parse_args(argv)
+    rows = []
+    for preset in args.presets.split(","):
+        for world in (int(w) for w in args.worlds.split(",")):
+            row = simulate(preset, world)
+            row["command"] = "python benches/scale_sim.py " + " ".join(argv or [])
+            row["host"] = platform.node() or "cpu"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.out:
+        with args.out.open("a") as fh:
+            for row in rows:
+                fh.write(json.dumps(row) + "\n")
+    print()
+    print(
+        "| preset | ranks | compute ms | greedy step ms | greedy exposed ms | search step ms | search exposed ms |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        g, s = r["greedy"], r["search"]
+        print(
+            f"| {r['preset']} | {r['world']} | {s['compute_ms']:.1f} | {g['makespan_ms']:.1f} | "
+            f"{g['exposed_comm_ms']:.1f} | {s['makespan_ms']:.1f} | {s['exposed_comm_ms']:.1f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -95,8 +95,11 @@ def _worker_entry(
     args: tuple,
     init_method: str,
     out_dir: str,
+    backend: str,
 ) -> None:
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     # On SIGUSR1 (sent by the parent at its deadline) dump every thread's stack to stderr, so
     # that a hang shows where each rank is stuck. Likewise on SIGTERM, which torch's spawn sends
     # to the other ranks when one raises: often the raising rank only timed out waiting for a
@@ -105,7 +108,7 @@ def _worker_entry(
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     with record_warnings() as caught:
         dist.init_process_group(
-            backend="gloo",
+            backend=backend,
             init_method=init_method,
             rank=rank,
             world_size=world_size,
@@ -153,8 +156,10 @@ def run_workers(
     world_size: int,
     *args: Any,
     timeout: float | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks of a ``backend`` process
+    group (gloo; or nccl, rank r on GPU r); return their results.
 
     ``fn`` must be a module-level (picklable) function. Raises ``WorkerError`` if any rank
     raised or died (with every failing rank's traceback) and ``WorkerTimeout`` if the ranks do
@@ -166,7 +171,7 @@ def run_workers(
         with _patched_env(_WORKER_ENV):
             ctx = mp.start_processes(
                 _worker_entry,
-                args=(fn, world_size, args, init_method, tmp),
+                args=(fn, world_size, args, init_method, tmp, backend),
                 nprocs=world_size,
                 join=False,
                 start_method="spawn",

@@ -1,4 +1,5 @@
-"""torch.library.opcheck for every zrs op (one process, no process group: collectives are copies).
+"""torch.library.opcheck for every zrs op (one process, no process group: collectives are copies),
+on the CPU and, where there is one, on a CUDA device (the CUDA kernels of the copy ops included).
 
 The lowered ops change runtime state (holders, buckets), so each gets the opcheck utilities that
 make sense for it: `test_schema` checks the alias annotations against what the kernel really does,
@@ -18,10 +19,18 @@ from zrs import runtime
 STATEFUL_UTILS = ("test_schema", "test_faketensor")
 
 
-@pytest.fixture
-def handles():
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+    ),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def handles(request):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2))
+    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2)).to(request.param)
     zrs.compile(model, backend="eager")
     yield model._zrs_state.handles
     runtime.reset()
@@ -39,7 +48,7 @@ def test_gather(handles):
 
 def test_gather_grad(handles):
     h = handles[0]
-    grad = torch.randn(h.shape)
+    grad = torch.randn(h.shape, device=h.shard.device)
     torch.library.opcheck(torch.ops.zrs.gather_grad.default, (grad, h.ds_id))
     torch.testing.assert_close(torch.ops.zrs.gather_grad(grad, h.ds_id), grad.reshape(-1))
 
@@ -78,7 +87,7 @@ def test_prefetch_params_fused(handles):
 
 def test_reduce_grad_and_end_backward(handles):
     h = handles[0]
-    grad = torch.randn(h.shape)
+    grad = torch.randn(h.shape, device=h.shard.device)
     torch.library.opcheck(
         torch.ops.zrs.reduce_grad.default, (grad, 0, h.ds_id), test_utils=STATEFUL_UTILS
     )

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 Batch = tuple[Tensor, ...]
 
@@ -352,6 +353,7 @@ class Case:
     reduce_dtype: torch.dtype | None = None
     steps: int = STEPS
     scheduler: str | None = None  # None: zrs.compile's default
+    device: str = "cpu"  # "cuda": the model and batches on this rank's GPU (NCCL groups)
     # True: pass process_group=None (the default group). False: a fresh group for this case
     # alone, so that a failure in one case cannot leave stale messages for the next one.
     default_group: bool = False
@@ -360,7 +362,8 @@ class Case:
     def key(self) -> str:
         dtype = "" if self.param_dtype is None else f"-{str(self.param_dtype).split('.')[-1]}"
         sched = "" if self.scheduler is None else f"-{self.scheduler}"
-        return f"{self.backend}{sched}-{self.model}{dtype}"
+        where = "" if self.device == "cpu" else f"-{self.device}"
+        return f"{self.backend}{sched}-{self.model}{dtype}{where}"
 
 
 def _train_zrs(rank: int, case: Case, group: object) -> dict:
@@ -370,7 +373,13 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
 
     counters.clear()  # per case: the graph breaks below are this case's alone
     spec = ZOO[case.model]
-    model = spec.build()
+    device = torch.device("cpu")
+    if case.device == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+        # fp32 means fp32: the reference runs on the CPU.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    model = spec.build().to(device)
     kwargs: dict = {"process_group": group, "backend": case.backend}
     if case.param_dtype is not None:
         kwargs["param_dtype"] = case.param_dtype
@@ -388,7 +397,10 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
     losses = []
     for step in range(case.steps):
         opt.zero_grad(set_to_none=True)
-        loss = spec.loss(model, spec.batch(rank, step))
+        batch = tree_map(
+            lambda t: t.to(device) if isinstance(t, Tensor) else t, spec.batch(rank, step)
+        )
+        loss = spec.loss(model, batch)
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -422,7 +434,7 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, dict]:
             group = dist.new_group(
                 list(range(world_size)),
                 timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT),
-                backend="gloo",
+                backend=dist.get_backend(),
             )
         with record_warnings() as caught:
             try:

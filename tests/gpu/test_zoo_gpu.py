@@ -1,0 +1,72 @@
+"""The CPU correctness suite's models on 2 GPUs (NCCL), fp32 and bf16, against the CPU references.
+
+Marked `gpu`: skipped without two CUDA devices (tests/conftest.py). Run on the device machine with
+`bash scripts/device_setup.sh python3 -m pytest -m gpu tests/gpu` (the setup script installs the
+carried wheel and keeps NVLink multicast off).
+
+Tolerances. fp32: TF32 is off, but cuBLAS/cuDNN sum in other orders than the CPU kernels of the
+reference, ~1e-7 relative per op; after three SGD-momentum steps through a few layers that stays
+far below rtol 1e-4 / atol 1e-5 (10x the CPU suite's), while a wrong gradient scale or a mixed-up
+shard moves parameters by >= 1e-2. bf16: the bounds of tests/test_mixed_precision.py (reasoned
+there), against the same bf16-autocast CPU reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from _dist import cached_run, reemit_warnings
+from zoo import ZOO, Case, Reference, case_outcome, compare_params, run_cases, train_reference
+
+pytestmark = pytest.mark.gpu
+
+WORLD = 2
+BACKENDS = ("eager", "inductor")
+FP32_RTOL, FP32_ATOL = 1e-4, 1e-5
+BF16_ATOL, BF16_UPDATE_RTOL = 2e-3, 0.05
+BF16_MODELS = ("mlp", "gpt_tied")
+
+
+def _case(model: str, backend: str, bf16: bool) -> Case:
+    dtype = torch.bfloat16 if bf16 else None
+    return Case(model, backend, param_dtype=dtype, device="cuda", default_group=False)
+
+
+def _group(backend: str) -> list[dict[str, dict]]:
+    cases = [_case(m, backend, False) for m in ZOO] + [_case(m, backend, True) for m in BF16_MODELS]
+    return cached_run(("gpu_zoo", backend), run_cases, WORLD, cases, backend="nccl")
+
+
+@functools.cache
+def _reference(model: str, bf16: bool) -> Reference:
+    return train_reference(ZOO[model], WORLD, autocast_dtype=torch.bfloat16 if bf16 else None)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("model", list(ZOO))
+def test_fp32_on_two_gpus_matches_reference(backend: str, model: str) -> None:
+    per_rank = case_outcome(_group(backend), _case(model, backend, False).key)
+    ref = _reference(model, False)
+    problems = compare_params(per_rank[0]["state"], ref.final, rtol=FP32_RTOL, atol=FP32_ATOL)
+    assert not problems, problems
+    for rank, r in enumerate(per_rank):
+        reemit_warnings(r["warnings"], where=f"rank {rank}, {model} on GPU")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("model", BF16_MODELS)
+def test_bf16_on_two_gpus_matches_autocast_reference(backend: str, model: str) -> None:
+    per_rank = case_outcome(_group(backend), _case(model, backend, True).key)
+    ref = _reference(model, True)
+    state = per_rank[0]["state"]
+    problems = compare_params(state, ref.final, rtol=0.0, atol=BF16_ATOL)
+    for name, final in ref.final.items():
+        if name in state and state[name].shape == final.shape:
+            err = (state[name] - final).norm() / (final - ref.init[name]).norm()
+            if not err <= BF16_UPDATE_RTOL:
+                problems.append(f"{name}: update off by {err:.3g} of its norm")
+    assert all(r["output_dtypes"] == [torch.bfloat16] for r in per_rank)
+    assert not problems, problems

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zrs import streams
 from zrs._core import Registry, ZrsError
 from zrs.exchange import keep_alive
 
@@ -163,13 +164,18 @@ class _InFlight:
     recv: torch.Tensor
     members: list[tuple[ParamHandle, int]]  # (handle, offset of its shard inside a rank block)
     block: int  # elements per rank block
-    fused: bool  # False: a single parameter gathered straight into its own buffer
+    fused: bool  # True: `recv` still has to be unpacked into the members' buffers
+    done: torch.cuda.Event | None = None  # on a side stream: the gather (and unpack) finished
 
     def complete(self) -> None:
+        streams.wait_for(self.done)
         if self.work is not None:
             self.work.wait()
         if not self.fused:
             return
+        self.unpack()
+
+    def unpack(self) -> None:
         world = self.members[0][0].state.world_size
         torch.ops.zrs.unpack_rank_major(
             self.recv,
@@ -206,34 +212,49 @@ def issue_gather(
         return
     state = todo[0][0].state
     device = todo[0][1].device
-    if len(todo) == 1:
-        h, s, dt = todo[0]
-        buf = torch.empty(h.padded_numel, dtype=dt, device=device)
-        _BUFFERS[h.ds_id] = buf
-        send = s.detach().to(dt).reshape(-1)
-        work = all_gather(buf, send, state.group, async_op=True)
-        _IN_FLIGHT[h.ds_id] = _InFlight(work, send, buf, [(h, 0)], h.shard_numel, fused=False)
-        return
     dtype = todo[0][2]
     if any(dt != dtype for _, _, dt in todo):
         raise ZrsError("a fused prefetch group mixes gather dtypes; the planner must split it")
+    # The gathered buffers are read by the compute stream: allocated on it (zrs.streams).
+    for h, _, _ in todo:
+        _BUFFERS[h.ds_id] = torch.empty(h.padded_numel, dtype=dtype, device=device)
+    side = streams.side_stream(device, "gather")
+    if side is None:
+        flight = _start_gather(todo, state, dtype, device, async_op=True)
+    else:
+        with streams.running_on(side) as done:
+            flight = _start_gather(todo, state, dtype, device, async_op=False)
+            if flight.fused:
+                flight.unpack()  # on the side stream, off the compute stream's path
+                flight.fused = False
+        flight.done = done[0]
+    for h, _, _ in todo:
+        _IN_FLIGHT[h.ds_id] = flight
+
+
+def _start_gather(
+    todo: list[tuple[ParamHandle, torch.Tensor, torch.dtype]],
+    state: ZeroState,
+    dtype: torch.dtype,
+    device: torch.device,
+    async_op: bool,
+) -> _InFlight:
+    """Issue the all-gather of `todo` (one parameter straight into its buffer, or several packed
+    rank-major into one receive buffer) on the current stream."""
+    if len(todo) == 1:
+        h, s, _ = todo[0]
+        buf = _BUFFERS[h.ds_id]
+        send = s.detach().to(dtype).reshape(-1)
+        work = all_gather(buf, send, state.group, async_op=async_op)
+        return _InFlight(work, send, buf, [(h, 0)], h.shard_numel, fused=False)
     offsets = list(itertools.accumulate((h.shard_numel for h, _, _ in todo), initial=0))
     block = offsets[-1]
     send = torch.empty(block, dtype=dtype, device=device)
     torch.ops.zrs.pack_cast([s.detach() for _, s, _ in todo], send)
     recv = torch.empty(block * state.world_size, dtype=dtype, device=device)
-    work = all_gather(recv, send, state.group, async_op=True)
-    flight = _InFlight(
-        work,
-        send,
-        recv,
-        [(h, off) for (h, _, _), off in zip(todo, offsets, strict=False)],
-        block,
-        fused=True,
-    )
-    for h, _, _ in todo:
-        _BUFFERS[h.ds_id] = torch.empty(h.padded_numel, dtype=dtype, device=device)
-        _IN_FLIGHT[h.ds_id] = flight
+    work = all_gather(recv, send, state.group, async_op=async_op)
+    members = [(h, off) for (h, _, _), off in zip(todo, offsets, strict=False)]
+    return _InFlight(work, send, recv, members, block, fused=True)
 
 
 def allgather_param(shard: torch.Tensor, ds_id: int, dtype: torch.dtype | None) -> torch.Tensor:
@@ -290,6 +311,8 @@ class _Reduce:
     work: dist.Work | None
     out: torch.Tensor
     members: list[tuple[ParamHandle, int]]
+    packed: torch.Tensor  # the bucket, kept alive until the reduce-scatter has read it
+    done: torch.cuda.Event | None = None  # on the reduce stream: the reduce-scatter finished
 
 
 _BUCKETS: dict[tuple[int, torch.dtype], _Bucket] = {}
@@ -332,12 +355,19 @@ def _flush(key: tuple[int, torch.dtype]) -> None:
     if bucket.used < packed.size(1):
         packed = packed.narrow(1, 0, bucket.used).contiguous()  # a partly filled last bucket
     out = torch.empty(bucket.used, dtype=dtype, device=packed.device)
-    work = reduce_scatter(out, packed.view(-1), state.group, async_op=True)
-    _REDUCING.append(_Reduce(work, out, bucket.members))
+    side = streams.side_stream(packed.device, "reduce")
+    if side is None:
+        work = reduce_scatter(out, packed.view(-1), state.group, async_op=True)
+        _REDUCING.append(_Reduce(work, out, bucket.members, packed))
+        return
+    with streams.running_on(side) as done:
+        reduce_scatter(out, packed.view(-1), state.group, async_op=False)
+    _REDUCING.append(_Reduce(None, out, bucket.members, packed, done[0]))
 
 
 def _complete(r: _Reduce) -> None:
     """Wait for one reduce-scatter and accumulate its shards into the parameters' `.grad`."""
+    streams.wait_for(r.done)
     if r.work is not None:
         r.work.wait()
     for h, off in r.members:

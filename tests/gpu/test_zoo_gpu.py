@@ -14,6 +14,7 @@ there), against the same bf16-autocast CPU reference.
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -35,9 +36,16 @@ def _case(model: str, backend: str, bf16: bool) -> Case:
     return Case(model, backend, param_dtype=dtype, device="cuda", default_group=False)
 
 
-def _group(backend: str) -> list[dict[str, dict]]:
+def run_cases_on_side_streams(rank: int, world: int, cases: list[Case]) -> dict[str, dict]:
+    """run_cases with the collectives on zrs's side streams (zrs.streams, opt-in)."""
+    os.environ["ZRS_COMM_STREAMS"] = "1"
+    return run_cases(rank, world, cases)
+
+
+def _group(backend: str, side_streams: bool = False) -> list[dict[str, dict]]:
     cases = [_case(m, backend, False) for m in ZOO] + [_case(m, backend, True) for m in BF16_MODELS]
-    return cached_run(("gpu_zoo", backend), run_cases, WORLD, cases, backend="nccl")
+    fn = run_cases_on_side_streams if side_streams else run_cases
+    return cached_run(("gpu_zoo", backend, side_streams), fn, WORLD, cases, backend="nccl")
 
 
 @functools.cache
@@ -45,10 +53,11 @@ def _reference(model: str, bf16: bool) -> Reference:
     return train_reference(ZOO[model], WORLD, autocast_dtype=torch.bfloat16 if bf16 else None)
 
 
+@pytest.mark.parametrize("side_streams", [False, True], ids=["nccl-streams", "side-streams"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("model", list(ZOO))
-def test_fp32_on_two_gpus_matches_reference(backend: str, model: str) -> None:
-    per_rank = case_outcome(_group(backend), _case(model, backend, False).key)
+def test_fp32_on_two_gpus_matches_reference(backend: str, model: str, side_streams: bool) -> None:
+    per_rank = case_outcome(_group(backend, side_streams), _case(model, backend, False).key)
     ref = _reference(model, False)
     problems = compare_params(per_rank[0]["state"], ref.final, rtol=FP32_RTOL, atol=FP32_ATOL)
     assert not problems, problems
@@ -56,10 +65,13 @@ def test_fp32_on_two_gpus_matches_reference(backend: str, model: str) -> None:
         reemit_warnings(r["warnings"], where=f"rank {rank}, {model} on GPU")
 
 
+@pytest.mark.parametrize("side_streams", [False, True], ids=["nccl-streams", "side-streams"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("model", BF16_MODELS)
-def test_bf16_on_two_gpus_matches_autocast_reference(backend: str, model: str) -> None:
-    per_rank = case_outcome(_group(backend), _case(model, backend, True).key)
+def test_bf16_on_two_gpus_matches_autocast_reference(
+    backend: str, model: str, side_streams: bool
+) -> None:
+    per_rank = case_outcome(_group(backend, side_streams), _case(model, backend, True).key)
     ref = _reference(model, True)
     state = per_rank[0]["state"]
     problems = compare_params(state, ref.final, rtol=0.0, atol=BF16_ATOL)

@@ -44,6 +44,22 @@ def test_compiling_twice_is_refused():
         zrs.compile(model)
 
 
+def test_assigning_a_parameter_to_a_sharded_name_is_refused(monkeypatch):
+    from zrs import runtime
+
+    model = zrs.compile(nn.Linear(3, 2), backend="eager")
+    gathers = []
+    monkeypatch.setattr(runtime, "gather_full", lambda *a: gathers.append(a))
+    shard = model._parameters["weight"]
+    with pytest.raises(zrs.ZrsError, match=r"Linear\.weight: it is sharded by zrs\.compile"):
+        model.weight = nn.Parameter(torch.zeros(2, 3))
+    assert model._parameters["weight"] is shard, "the shard is kept"
+    assert not gathers, "no gather (a collective) was run"
+    model.extra = nn.Parameter(torch.zeros(1))  # other names register as usual
+    assert "extra" in dict(model.named_parameters())
+    runtime.reset()
+
+
 def test_meta_model_without_reset_parameters():
     class Bare(nn.Module):
         def __init__(self):

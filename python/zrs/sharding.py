@@ -34,12 +34,28 @@ def _gathered(name: str) -> property:
     return property(get, doc=f"`{name}` gathered from its shards (zrs)")
 
 
+def _guarded_register(base: type) -> Callable[..., None]:
+    def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        # Checked before nn.Module's own checks, whose hasattr() would run the gather property
+        # (a collective on one rank only).
+        if name in getattr(self, "_zrs_params", {}):
+            raise ZrsError(
+                f"cannot assign a new parameter to {type(self).__name__}.{name}: it is sharded by "
+                "zrs.compile, and replacing it would drop its shards. Set the weights before "
+                "zrs.compile, or update the shard in place through model.parameters()"
+            )
+        base.register_parameter(self, name, param)
+
+    return register_parameter
+
+
 def _install_properties(module: nn.Module, names: frozenset[str]) -> None:
     base = module.__class__
     key = (base, names)
     if key not in _SUBCLASSES:
         attrs: dict[str, Any] = {n: _gathered(n) for n in names}
         attrs["_zrs_base_class"] = base
+        attrs["register_parameter"] = _guarded_register(base)
         _SUBCLASSES[key] = type(f"Zrs{base.__name__}", (base,), attrs)
     module.__class__ = _SUBCLASSES[key]
 

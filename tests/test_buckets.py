@@ -48,3 +48,28 @@ def test_small_buckets_train_like_unsharded(world: int) -> None:
         assert not problems, (rank, problems)
         assert len(r["in_flight"]) > 3 * STEPS, "several buckets per backward"
         assert max(r["in_flight"]) <= 2, "at most two reduce-scatters in flight"
+
+
+def test_gradients_accumulate_over_micro_batches(monkeypatch) -> None:
+    """Two backward passes before the step: each shard's .grad is the sum of both passes'
+    gradients (the first pass's reduce-scatter output is the .grad; the second adds into it)."""
+    import zrs
+    from zrs import runtime
+
+    monkeypatch.setattr(runtime, "GRAD_BUCKET_NUMEL", BUCKET_NUMEL)
+    spec = ZOO[MODEL]
+    torch.manual_seed(0)
+    reference = spec.build()
+    torch.manual_seed(0)
+    model = zrs.compile(spec.build(), backend="eager")
+    batches = [spec.batch(0, 0), spec.batch(1, 0)]
+    for batch in batches:
+        spec.loss(model, batch).backward()
+        spec.loss(reference, batch).backward()
+    runtime.reset()
+    want = {
+        p: r.grad.reshape(-1)
+        for p, r in zip(model.parameters(), reference.parameters(), strict=True)
+    }
+    for shard, grad in want.items():
+        torch.testing.assert_close(shard.grad[: grad.numel()], grad, rtol=1e-5, atol=1e-6)

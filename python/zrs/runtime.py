@@ -371,11 +371,13 @@ def _complete(r: _Reduce) -> None:
     if r.work is not None:
         r.work.wait()
     for h, off in r.members:
-        g = r.out[off : off + h.shard_numel].to(h.shard.dtype)
+        g = r.out.narrow(0, off, h.shard_numel)
         if h.shard.grad is None:
-            h.shard.grad = g.clone()  # own storage, not a view of the bucket
+            # The reduce-scatter's output is the gradient: the shards' .grad are views into it
+            # (no copy; the output lives as long as any of its gradients).
+            h.shard.grad = g if g.dtype == h.shard.dtype else g.to(h.shard.dtype)
         else:
-            h.shard.grad.add_(g)
+            h.shard.grad.add_(g)  # accumulation across micro-batches (add_ casts)
 
 
 def flush_grads() -> None:

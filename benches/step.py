@@ -41,12 +41,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import faulthandler
 import gc
 import importlib.util
 import json
 import os
 import platform
 import shlex
+import signal
 import statistics
 import sys
 import time
@@ -147,6 +149,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["zero_init", "full"],
         default="zero_init",
         help="DeepSpeed model construction: under deepspeed.zero.Init (default) or full on the GPU",
+    )
+    p.add_argument(
+        "--trace",
+        type=Path,
+        metavar="DIR",
+        help="after the timed steps, profile 3 more with torch.profiler: Chrome traces per rank "
+        "in DIR and the ops with the most device time per step in the record",
     )
     p.add_argument("--pg-timeout", type=float, default=1800, help="process-group timeout, seconds")
     p.add_argument("--command", help=argparse.SUPPRESS)  # the launching command, for the record
@@ -477,10 +486,45 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
     elif system in ("single", "fsdp2_compile"):
         record["compile_backend"] = args.compile_backend
     record.update(built.versions or {})
+    if args.trace is not None:
+        record.update(profile_steps(system, ctx, built, batches, warmup + args.steps))
     if built.close is not None:
         built.close()
     del built, loss
     return record
+
+
+TRACE_STEPS = 3
+TRACE_TOP = 12
+
+
+def profile_steps(system: str, ctx: Ctx, built: Built, batches: list, start: int) -> dict:
+    """Run TRACE_STEPS more steps under torch.profiler (after the timed ones, so they are not
+    slowed): a Chrome trace per rank in --trace DIR, and the ops with the most device (else CPU)
+    self time per step, for the record."""
+    from torch.profiler import ProfilerActivity, profile
+
+    args, device = ctx.args, ctx.device
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for i in range(TRACE_STEPS):
+            built.step(*batches[(start + i) % len(batches)])
+        sync(device)
+    args.trace.mkdir(parents=True, exist_ok=True)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    tag = args.tag or "nvlink"
+    path = args.trace / f"{args.preset}_{system}_{tag}_rank{rank}.json"
+    prof.export_chrome_trace(str(path))
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    top = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:TRACE_TOP]
+    return {
+        "trace": str(path),
+        "top_ops_ms_per_step": [
+            [e.key, round(getattr(e, key) / 1e3 / TRACE_STEPS, 3)] for e in top
+        ],
+    }
 
 
 def environment(ctx: Ctx) -> dict:
@@ -656,6 +700,8 @@ def read_records(path: Path) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # `kill -USR1 <pid>` prints every thread's stack: where a hung rank waits.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     args = parse_args(argv)
     if args.table is not None:
         print(table(read_records(args.table)))

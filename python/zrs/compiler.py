@@ -27,7 +27,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitioner
 
 from zrs.passes.consistency import check_same_graph
 from zrs.passes.recompute import tag_gathers_for_recompute
-from zrs.passes.schedule import ScheduleContext, device_budget, schedule_graph
+from zrs.passes.schedule import ScheduleContext, device_budget, graph_label, schedule_graph
 from zrs.passes.zero3 import lower_zero3
 from zrs.profile import measure_collectives
 from zrs.runtime import ZeroState, handle
@@ -79,8 +79,7 @@ LOWERING = ZeroLowering()
 
 
 def _check(state: ZeroState, graph_id: int, graph: fx.Graph, is_backward: bool) -> None:
-    what = f"{'backward' if is_backward else 'forward'} graph {graph_id}"
-    check_same_graph(graph, state.group, what)
+    check_same_graph(graph, state.group, graph_label(graph_id, is_backward))
 
 
 def schedule_context(state: ZeroState) -> ScheduleContext:
@@ -101,13 +100,12 @@ def schedule_context(state: ZeroState) -> ScheduleContext:
         budget=budget,
         budget_source=source,
         world=state.world_size,
-        device_type=state.device.type,
+        device=str(state.device),
         group=state.group,
         rank=state.rank,
         trace_dir=state.trace_dir,
         cost=state.cost_model,
         profile=profile,
-        device=str(state.device),
     )
 
 

@@ -47,16 +47,9 @@ def _device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def all_gather_kept(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """A synchronous all-gather whose Work and tensors stay referenced (`keep_alive`)."""
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
+    # The runtime's `all_gather` does the same, but the runtime imports this module.
     work = dist.all_gather_into_tensor(out, inp, group=group, async_op=True)
-    work.wait()
-    keep_alive(work, out, inp)
-
-
-def reduce_scatter_kept(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """A synchronous sum reduce-scatter whose Work and tensors stay referenced."""
-    work = dist.reduce_scatter_tensor(out, inp, group=group, async_op=True)
     work.wait()
     keep_alive(work, out, inp)
 
@@ -68,7 +61,7 @@ def all_gather_bytes(payload: bytes, group: dist.ProcessGroup) -> list[bytes]:
     with unset_fake_temporarily(), no_python_dispatcher():
         size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
         sizes = torch.empty(world, dtype=torch.int64, device=device)
-        all_gather_kept(sizes, size, group)
+        _all_gather(sizes, size, group)
         lengths = sizes.tolist()
         width = max(max(lengths), 1)
         send = torch.zeros(width, dtype=torch.uint8)
@@ -76,7 +69,7 @@ def all_gather_bytes(payload: bytes, group: dist.ProcessGroup) -> list[bytes]:
             send[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         send = send.to(device)
         recv = torch.empty(world * width, dtype=torch.uint8, device=device)
-        all_gather_kept(recv, send, group)
+        _all_gather(recv, send, group)
         rows = recv.view(world, width).cpu()
         return [bytes(rows[r, :n].tolist()) for r, n in enumerate(lengths)]
 

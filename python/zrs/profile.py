@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from typing import Any
 
@@ -27,9 +26,10 @@ from torch._dispatch.python import no_python_dispatcher
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from zrs import plan as zplan
+from zrs import runtime
 from zrs._core import ZrsError
-from zrs.exchange import all_gather_bytes, all_gather_kept, reduce_scatter_kept
-from zrs.passes._nodes import OPS, val
+from zrs.exchange import all_gather_bytes
+from zrs.passes._nodes import OPS, tensors_in, val
 
 _log = logging.getLogger(__name__)
 
@@ -60,10 +60,6 @@ def agree_max(values: list[float], group: dist.ProcessGroup | None) -> list[floa
 
 
 # --- compute profile ----------------------------------------------------------------------------
-
-
-def _concrete(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and all(isinstance(d, int) for d in t.shape)
 
 
 def _real(t: Any, device: torch.device) -> Any:
@@ -146,14 +142,10 @@ def profile_graph(
 ) -> dict[str, float] | None:
     """Microseconds per compute node name, agreed over the ranks; None when the graph has
     symbolic shapes (nothing concrete to run). Runs the graph twice and keeps the second run."""
-    nodes = [n for n in graph.nodes if n.op in ("placeholder", "call_function")]
-    symbolic = any(
-        not _concrete(t)
-        for n in nodes
-        for t in (val(n) if isinstance(val(n), (tuple, list)) else [val(n)])
-        if isinstance(t, torch.Tensor)
-    )
-    if symbolic:
+    if any(
+        any(not isinstance(d, int) for t in tensors_in(val(n)) for d in t.shape)
+        for n in graph.nodes
+    ):
         return None
     with unset_fake_temporarily(), no_python_dispatcher(), torch.no_grad():
         state = torch.random.get_rng_state()
@@ -191,21 +183,22 @@ def measure_collectives(group: dist.ProcessGroup, device: torch.device) -> dict[
     world = dist.get_world_size(group)
     sizes = SWEEP_BYTES.get(device.type, SWEEP_BYTES["cpu"])
     samples: dict[str, list[float]] = {"allgather": [], "reduce_scatter": []}
+    full_sizes = []
     with unset_fake_temporarily(), no_python_dispatcher():
         for full_bytes in sizes:
             per_rank = max(full_bytes // 4 // world, 1)
+            full_sizes.append(per_rank * 4 * world)
             shard = torch.zeros(per_rank, dtype=torch.float32, device=device)
             full = torch.zeros(per_rank * world, dtype=torch.float32, device=device)
             for name, fn, args in (
-                ("allgather", all_gather_kept, (full, shard, group)),
-                ("reduce_scatter", reduce_scatter_kept, (shard, full, group)),
+                ("allgather", runtime.all_gather, (full, shard, group, False)),
+                ("reduce_scatter", runtime.reduce_scatter, (shard, full, group, False)),
             ):
                 fn(*args)  # warm-up (connection setup, NCCL channels)
                 times = [_timed(fn, args, device) for _ in range(SWEEP_REPS)]
                 samples[name].append(min(times))
     flat = agree_max(samples["allgather"] + samples["reduce_scatter"], group)
     n = len(sizes)
-    full_sizes = [max(b // 4 // world, 1) * 4 * world for b in sizes]
     try:
         model = zplan.fit_cost_model(
             list(zip(full_sizes, flat[:n], strict=True)),
@@ -217,13 +210,4 @@ def measure_collectives(group: dist.ProcessGroup, device: torch.device) -> dict[
         # every rank falls back alike.
         _log.info("collective sweep not usable (%s); using the analytic cost model", e)
         return None
-    if not all(math.isfinite(v) for v in _numbers(model)):
-        _log.info("collective sweep gave a non-finite model %s; using the analytic one", model)
-        return None
-    return model
-
-
-def _numbers(obj: Any) -> list[float]:
-    if isinstance(obj, dict):
-        return [x for v in obj.values() for x in _numbers(v)]
-    return [float(obj)] if isinstance(obj, (int, float)) and not isinstance(obj, bool) else []
+    return model  # the fit rejects a non-positive or non-finite bandwidth itself

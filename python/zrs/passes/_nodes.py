@@ -58,3 +58,12 @@ def alias_closure(node: fx.Node) -> list[fx.Node]:
 
 def val(node: fx.Node):
     return node.meta.get("val")
+
+
+def tensors_in(value) -> list[torch.Tensor]:
+    """The tensors in a node's value: itself, or those in a (nested) tuple or list."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in tensors_in(v)]
+    return []

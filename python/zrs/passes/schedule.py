@@ -61,7 +61,7 @@ import math
 import operator
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,7 @@ from torch import fx
 from zrs import plan as zplan
 from zrs._core import ZrsError
 from zrs.exchange import all_gather_bytes
-from zrs.passes._nodes import OPS, alias_closure, is_op, is_view, val
+from zrs.passes._nodes import OPS, alias_closure, is_op, is_view, tensors_in, val
 from zrs.profile import profile_graph
 
 SCHEDULERS = ("search", "greedy", "none")
@@ -115,20 +115,26 @@ class ScheduleContext:
     budget: int | None = None  # bytes; None: the planner's default (greedy's peak)
     budget_source: str = "none"  # where the budget came from, for error messages
     world: int = 1
-    device_type: str = "cpu"
+    device: str = "cpu"
     group: Any = None  # torch.distributed ProcessGroup, or None for one process
     rank: int = 0
     trace_dir: str | None = None
     # Cost model for the collectives: a preset name, a dict, or None for `default_cost`.
     cost: str | dict[str, Any] | None = None
-    durations: Mapping[str, float] | None = field(default=None, compare=False)
-    # Time the lowered graph's compute nodes once on real tensors (`zrs.profile`) on this device.
+    # Time the lowered graph's compute nodes once on real tensors (`zrs.profile`) on `device`.
     profile: bool = False
-    device: str = "cpu"
+
+    @property
+    def device_type(self) -> str:
+        return torch.device(self.device).type
+
+    def collective_cost(self) -> str | dict[str, Any]:
+        return self.cost if self.cost is not None else default_cost(self.device_type, self.world)
 
     def key(self) -> str:
         """What the plan depends on besides the graph: part of inductor's FX cache key."""
-        cost = json.dumps(self.cost, sort_keys=True) if isinstance(self.cost, dict) else self.cost
+        cost = self.collective_cost()
+        cost = json.dumps(cost, sort_keys=True) if isinstance(cost, dict) else cost
         return f"{self.scheduler}:{self.budget}:{self.world}:{self.device_type}:{cost}"
 
 
@@ -154,14 +160,6 @@ def _numel(t: torch.Tensor) -> int:
 
 def _bytes(t: Any) -> int:
     return _numel(t) * t.dtype.itemsize if isinstance(t, torch.Tensor) else 0
-
-
-def _tensors(v: Any) -> list[torch.Tensor]:
-    if isinstance(v, torch.Tensor):
-        return [v]
-    if isinstance(v, (tuple, list)):
-        return [t for x in v for t in _tensors(x)]
-    return []
 
 
 # --- durations ---------------------------------------------------------------------------------
@@ -212,7 +210,7 @@ def estimate_us(node: fx.Node, device_type: str) -> float:
     """Analytic device time of one compute node: floor + max(flops / FLOPS, bytes / BW)."""
     rate, bandwidth, floor = DEVICE_RATES.get(device_type, DEVICE_RATES["cuda"])
     moved = sum(_bytes(val(a)) for a in node.all_input_nodes)
-    moved += sum(_bytes(t) for t in _tensors(val(node)))
+    moved += sum(_bytes(t) for t in tensors_in(val(node)))
     return floor + max(flops(node) / rate, moved / bandwidth) * 1e6
 
 
@@ -476,13 +474,13 @@ def apply_plan(
 # --- planning ----------------------------------------------------------------------------------
 
 
-def _what(graph_id: int, is_backward: bool) -> str:
+def graph_label(graph_id: int, is_backward: bool) -> str:
+    """How errors name a compiled graph: "forward graph 0"."""
     return f"{'backward' if is_backward else 'forward'} graph {graph_id}"
 
 
 def _plan_local(ir: dict[str, Any], ctx: ScheduleContext, detail: bool) -> dict[str, Any]:
-    cost = ctx.cost if ctx.cost is not None else default_cost(ctx.device_type, ctx.world)
-    return zplan.plan(ir, ctx.scheduler, ctx.budget, cost, detail=detail)
+    return zplan.plan(ir, ctx.scheduler, ctx.budget, ctx.collective_cost(), detail=detail)
 
 
 def _budget_error(msg: str, what: str, ctx: ScheduleContext) -> ZrsError:
@@ -497,7 +495,7 @@ def _write_trace(ir, p, ctx: ScheduleContext, graph_id: int, is_backward: bool) 
     out = Path(ctx.trace_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"graph{graph_id}_{'bw' if is_backward else 'fw'}"
-    cost = ctx.cost if ctx.cost is not None else default_cost(ctx.device_type, ctx.world)
+    cost = ctx.collective_cost()
     Path(f"{stem}.ir.json").write_text(json.dumps({**ir, "budget_bytes": ctx.budget}))
     zplan.write_trace(ir, f"{stem}.trace.json", ctx.scheduler, ctx.budget, cost)
     plans = [p]
@@ -512,10 +510,8 @@ def schedule_graph(
     """Plan the lowered `graph` and apply the plan in place; None for scheduler='none'."""
     if ctx.scheduler == "none":
         return None
-    what = _what(graph_id, is_backward)
-    durations = ctx.durations
-    if durations is None and ctx.profile:
-        durations = profile_graph(graph, torch.device(ctx.device), ctx.group)
+    what = graph_label(graph_id, is_backward)
+    durations = profile_graph(graph, torch.device(ctx.device), ctx.group) if ctx.profile else None
     ir, nodes = build_ir(graph, device_type=ctx.device_type, world=ctx.world, durations=durations)
     trace = bool(ctx.trace_dir) and ctx.rank == 0
     try:

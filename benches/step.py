@@ -62,6 +62,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama import PRESETS, Llama, LlamaConfig, init_weights
+from trace_summary import load, summarize
 
 ALL_SYSTEMS = ("zrs", "fsdp2_eager", "fsdp2_compile", "single", "deepspeed_zero3", "deepcompile")
 DEEPSPEED_SYSTEMS = ("deepspeed_zero3", "deepcompile")
@@ -137,6 +138,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["inductor", "eager"],
         default="inductor",
         help="zrs.compile backend",
+    )
+    p.add_argument(
+        "--zrs-scheduler",
+        choices=["search", "greedy", "none"],
+        default="search",
+        help="zrs.compile scheduler (default search)",
     )
     p.add_argument(
         "--compile-backend",
@@ -271,6 +278,7 @@ def build_zrs(ctx: Ctx) -> Built:
         param_dtype=ctx.param_dtype,
         reduce_dtype=ctx.reduce_dtype,
         backend=ctx.args.zrs_backend,
+        scheduler=ctx.args.zrs_scheduler,
     )
     opt = adamw(model.parameters(), ctx)
     return Built(
@@ -483,6 +491,7 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
     }
     if system == "zrs":
         record["zrs_backend"] = args.zrs_backend
+        record["zrs_scheduler"] = args.zrs_scheduler
     elif system in ("single", "fsdp2_compile"):
         record["compile_backend"] = args.compile_backend
     record.update(built.versions or {})
@@ -515,12 +524,13 @@ def profile_steps(system: str, ctx: Ctx, built: Built, batches: list, start: int
     args.trace.mkdir(parents=True, exist_ok=True)
     rank = dist.get_rank() if dist.is_initialized() else 0
     tag = args.tag or "nvlink"
-    path = args.trace / f"{args.preset}_{system}_{tag}_rank{rank}.json"
-    prof.export_chrome_trace(str(path))
+    path = args.trace / f"{args.preset}_{system}_{tag}_rank{rank}.json.gz"
+    prof.export_chrome_trace(str(path))  # gzipped: a 1b trace is ~20 MB of JSON
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     top = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:TRACE_TOP]
     return {
         "trace": str(path),
+        "timeline": summarize(load(path), TRACE_STEPS),
         "top_ops_ms_per_step": [
             [e.key, round(getattr(e, key) / 1e3 / TRACE_STEPS, 3)] for e in top
         ],

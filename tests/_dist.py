@@ -113,6 +113,8 @@ def _worker_entry(
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT),
+            # NCCL: bind the rank's GPU now (else barrier() warns that it guesses the device)
+            device_id=torch.device("cuda", rank) if backend == "nccl" else None,
         )
         result = fn(rank, world_size, *args)
         dist.barrier()

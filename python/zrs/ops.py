@@ -25,7 +25,8 @@ SCHEMAS = {
     "gather": "gather(Tensor shard, int ds_id, SymInt[] shape, ScalarType? dtype=None) -> Tensor",
     "gather_grad": "gather_grad(Tensor grad, int ds_id) -> Tensor",
     "allgather_param": (
-        "allgather_param(Tensor shard, int graph_id, int ds_id, ScalarType? dtype=None) -> Tensor"
+        "allgather_param(Tensor shard, int graph_id, int ds_id, ScalarType? dtype=None, "
+        "Tensor? prefetched=None) -> Tensor"
     ),
     "wait_allgather": "wait_allgather(Tensor(a) x, int graph_id, int ds_id) -> Tensor(a)",
     "release_param": (
@@ -34,7 +35,7 @@ SCHEMAS = {
     ),
     "prefetch_params_fused": (
         "prefetch_params_fused(int graph_id, Tensor[] shards, int[] ds_ids, "
-        "ScalarType[]? dtypes=None) -> ()"
+        "ScalarType[]? dtypes=None) -> Tensor"
     ),
     "reduce_grad": "reduce_grad(Tensor grad, int graph_id, int ds_id) -> ()",
     "end_backward": "end_backward(int graph_id) -> ()",
@@ -105,12 +106,14 @@ torch.library.register_autograd(
 
 
 @_impl("allgather_param")
-def _allgather_param(shard, graph_id, ds_id, dtype=None):
+def _allgather_param(shard, graph_id, ds_id, dtype=None, prefetched=None):
+    # `prefetched`: the token of the prefetch that issued this gather; only a data edge that
+    # keeps inductor from scheduling the prefetch after its members.
     return runtime.allgather_param(shard, ds_id, dtype)
 
 
 @_fake("allgather_param")
-def _allgather_param_fake(shard, graph_id, ds_id, dtype=None):
+def _allgather_param_fake(shard, graph_id, ds_id, dtype=None, prefetched=None):
     h = runtime.handle(ds_id)
     return shard.new_empty(h.shape, dtype=dtype or shard.dtype)
 
@@ -155,11 +158,12 @@ def _as_dtype(d: torch.dtype | int) -> torch.dtype:
 def _prefetch_params_fused(graph_id, shards, ds_ids, dtypes=None):
     dtypes = [_as_dtype(d) for d in dtypes] if dtypes else [s.dtype for s in shards]
     runtime.prefetch(list(shards), list(ds_ids), list(dtypes))
+    return shards[0].new_empty(0)  # the token its members' allgather_param take
 
 
 @_fake("prefetch_params_fused")
 def _prefetch_params_fused_fake(graph_id, shards, ds_ids, dtypes=None):
-    return None
+    return shards[0].new_empty(0)
 
 
 @_impl("reduce_grad")

@@ -38,7 +38,9 @@ Runs right after the zero3 pass (``passes.zero3``), on the lowered forward or ba
    parameter once, see ``FUSE_DOWNCAST_GATHERS``), inserts one
    ``zrs.prefetch_params_fused(graph_id, shards, ds_ids, dtypes)`` right before the group's first
    ``allgather_param``. The members' ``allgather_param`` nodes stay where the plan puts them and
-   take their buffer from the prefetch. With ``backend="inductor"`` the compiler turns inductor's
+   take their buffer from the prefetch; each takes the prefetch's (empty) output as its
+   ``prefetched`` argument, a data edge without which inductor scheduled a prefetch after one of
+   its members (the member then gathered alone and the prefetch's claim on it leaked). With ``backend="inductor"`` the compiler turns inductor's
    peak-memory reordering off, which would otherwise move a prefetch (it has no data edge to its
    members) after them.
 
@@ -58,6 +60,7 @@ remain for nodes that could not run and for ``profile=False``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -71,6 +74,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import fx
+from torch._guards import detect_fake_mode
 
 from zrs import plan as zplan
 from zrs._core import ZrsError
@@ -512,7 +516,11 @@ def apply_plan(
                     (graph_id, [ag.args[0] for ag in sub], [ag.args[2] for ag in sub]),
                     {"dtypes": [val(ag).dtype for ag in sub] if FUSE_DOWNCAST_GATHERS else None},
                 )
-            pf.meta["val"] = None
+            shard = val(sub[0].args[0])
+            with detect_fake_mode([shard]) or contextlib.nullcontext():
+                pf.meta["val"] = shard.new_empty(0)
+            for ag in sub:  # a data edge: inductor must not schedule the prefetch after them
+                ag.update_kwarg("prefetched", pf)
             inserted.append([int(ag.args[2]) for ag in sub])
     graph.lint()
     return inserted

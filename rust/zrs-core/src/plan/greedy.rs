@@ -407,7 +407,18 @@ pub fn greedy_order(g: &Graph, dur: &[f64]) -> Vec<u32> {
             st.order.push(v);
         }
     }
-    st.order
+    inputs_first(g, st.order)
+}
+
+/// `order` with the graph's inputs (no deps, no time: placeholders) moved to the front, in their
+/// order. The schedule above pulls an input in just before its first user, and a gather can be
+/// issued no earlier than its shard's input: in a lowered FX graph every gather reads a
+/// placeholder, so without this the search could prefetch nothing.
+fn inputs_first(g: &Graph, order: Vec<u32>) -> Vec<u32> {
+    let is_input = |v: u32| g.kind(v) == NodeKind::Other && g.deps(v).is_empty();
+    let (mut front, rest): (Vec<u32>, Vec<u32>) = order.into_iter().partition(|&v| is_input(v));
+    front.extend(rest);
+    front
 }
 
 #[cfg(test)]
@@ -471,6 +482,38 @@ mod tests {
             names(&g, &o),
             ["ag0", "w0", "mm0", "r0", "ag1", "w1", "mm1", "r1"]
         );
+    }
+
+    /// As an FX graph lowers it: every gather reads its shard's input (a placeholder). The
+    /// inputs lead the greedy order, so the search can issue the second layer's gather (and
+    /// fuse the two) before the first layer's compute instead of just before its own wait.
+    #[test]
+    fn gathers_of_placeholders_can_be_prefetched() {
+        let mut s = GraphSpec::default();
+        s.push(NodeSpec::new("p0", NodeKind::Other)); // 0
+        s.push(NodeSpec::new("p1", NodeKind::Other)); // 1
+        s.push(NodeSpec {
+            deps: vec![0],
+            ..ag("ag0", 0, 1 << 20)
+        }); // 2
+        s.push(wait("w0", 0, 2)); // 3
+        s.push(op("mm0", vec![3], 500.0)); // 4
+        s.push(rel("r0", 0, vec![3, 4])); // 5
+        s.push(NodeSpec {
+            deps: vec![1],
+            ..ag("ag1", 1, 1 << 20)
+        }); // 6
+        s.push(wait("w1", 1, 6)); // 7
+        s.push(op("mm1", vec![4, 7], 500.0)); // 8
+        s.push(rel("r1", 1, vec![7, 8])); // 9
+        let g = Graph::new(s).unwrap();
+        let o = greedy_order(&g, &dur(&g));
+        assert_eq!(&names(&g, &o)[..2], ["p0", "p1"]);
+        let cost = crate::plan::cost::CostModel::nvlink(2);
+        let p =
+            crate::plan::plan(&g, crate::plan::Scheduler::Search, Some(1 << 30), &cost).unwrap();
+        let pos = |name: &str| p.order.iter().position(|&v| g.names[v as usize] == name);
+        assert!(pos("ag1") < pos("mm0"), "{:?}", names(&g, &p.order));
     }
 
     /// Of two independent gathers, the smaller one goes first (bytes gathered breaks the tie).

@@ -193,6 +193,9 @@ fn build_base(p: &Problem, greedy: &[u32]) -> Base {
     for (k, &v) in seq.iter().enumerate() {
         pos[v as usize] = k as u32;
     }
+    // The graph's inputs lead the sequence (the greedy order puts them first).
+    let is_input = |v: u32| g.kind(v) == NodeKind::Other && g.deps(v).is_empty();
+    let inputs = seq.iter().take_while(|&&v| is_input(v)).count() as u32;
     // Slot where each gather must be issued at the latest (before its first user) and earliest.
     let mut jit = vec![NONE; n];
     let mut earliest = vec![0u32; n];
@@ -227,7 +230,11 @@ fn build_base(p: &Problem, greedy: &[u32]) -> Base {
         jit[v as usize] = j;
         let mut e = 0u32;
         for &d in g.deps(v) {
-            if !g.is_gather(d) {
+            if is_input(d) {
+                // After all the inputs, not right after its own: the gathers of one slot can
+                // share a bucket, and the inputs take no time.
+                e = e.max(inputs);
+            } else if !g.is_gather(d) {
                 e = e.max(pos[d as usize] + 1);
             }
         }

@@ -320,7 +320,7 @@ def _release_uses(rel: fx.Node, wait: fx.Node) -> set[fx.Node]:
 
 # zrs's own ops are ordered by their own rules below, not by the chain of impure nodes: chaining
 # a gather after the previous parameter's release would forbid every prefetch.
-_PARAM_OPS = ("allgather_param", "wait_allgather", "release_param", "prefetch_params_fused")
+_PARAM_OPS = ("allgather_param", "wait_allgather", "release_param")
 
 
 def _ordering_deps(nodes: list[fx.Node], index: dict[fx.Node, int], deps: list[set[int]]) -> None:
@@ -335,7 +335,7 @@ def _ordering_deps(nodes: list[fx.Node], index: dict[fx.Node, int], deps: list[s
     prev_reduce: fx.Node | None = None
     reduces: list[fx.Node] = []
     for n in nodes:
-        if any(is_op(n, op) for op in _PARAM_OPS[:3]):
+        if any(is_op(n, op) for op in _PARAM_OPS):
             ds_id = n.args[2]
             if ds_id in last_param_op:  # one parameter's gather, wait, release stay in order
                 add(n, last_param_op[ds_id])

@@ -231,6 +231,11 @@ impl Graph {
         self.nodes[v as usize].kind == NodeKind::Allgather
     }
 
+    /// A graph input: no deps, no time (an FX placeholder, e.g. a parameter's shard).
+    pub fn is_input(&self, v: u32) -> bool {
+        self.kind(v) == NodeKind::Other && self.deps(v).is_empty()
+    }
+
     /// Validate a spec: dep indices in range, finite non-negative durations, no cycle, ds_id on
     /// collectives, and a matching all-gather for every wait and release.
     pub fn new(spec: GraphSpec) -> Result<Self> {

@@ -415,8 +415,7 @@ pub fn greedy_order(g: &Graph, dur: &[f64]) -> Vec<u32> {
 /// issued no earlier than its shard's input: in a lowered FX graph every gather reads a
 /// placeholder, so without this the search could prefetch nothing.
 fn inputs_first(g: &Graph, order: Vec<u32>) -> Vec<u32> {
-    let is_input = |v: u32| g.kind(v) == NodeKind::Other && g.deps(v).is_empty();
-    let (mut front, rest): (Vec<u32>, Vec<u32>) = order.into_iter().partition(|&v| is_input(v));
+    let (mut front, rest): (Vec<u32>, Vec<u32>) = order.into_iter().partition(|&v| g.is_input(v));
     front.extend(rest);
     front
 }

@@ -194,8 +194,7 @@ fn build_base(p: &Problem, greedy: &[u32]) -> Base {
         pos[v as usize] = k as u32;
     }
     // The graph's inputs lead the sequence (the greedy order puts them first).
-    let is_input = |v: u32| g.kind(v) == NodeKind::Other && g.deps(v).is_empty();
-    let inputs = seq.iter().take_while(|&&v| is_input(v)).count() as u32;
+    let inputs = seq.iter().take_while(|&&v| g.is_input(v)).count() as u32;
     // Slot where each gather must be issued at the latest (before its first user) and earliest.
     let mut jit = vec![NONE; n];
     let mut earliest = vec![0u32; n];
@@ -230,7 +229,7 @@ fn build_base(p: &Problem, greedy: &[u32]) -> Base {
         jit[v as usize] = j;
         let mut e = 0u32;
         for &d in g.deps(v) {
-            if is_input(d) {
+            if g.is_input(d) {
                 // After all the inputs, not right after its own: the gathers of one slot can
                 // share a bucket, and the inputs take no time.
                 e = e.max(inputs);

@@ -46,6 +46,7 @@ import gc
 import importlib.util
 import json
 import os
+import pickle
 import platform
 import shlex
 import signal
@@ -62,6 +63,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama import PRESETS, Llama, LlamaConfig, init_weights
+from memory_peak import peak_breakdown
 from trace_summary import load, summarize
 
 ALL_SYSTEMS = ("zrs", "fsdp2_eager", "fsdp2_compile", "single", "deepspeed_zero3", "deepcompile")
@@ -163,6 +165,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="DIR",
         help="after the timed steps, profile 3 more with torch.profiler: Chrome traces per rank "
         "in DIR and the ops with the most device time per step in the record",
+    )
+    p.add_argument(
+        "--memory",
+        type=Path,
+        metavar="DIR",
+        help="(CUDA) after the timed steps, record the allocator's history for one more step: a "
+        "snapshot per rank in DIR and what is live at the peak in the record (memory_peak.py)",
     )
     p.add_argument("--pg-timeout", type=float, default=1800, help="process-group timeout, seconds")
     p.add_argument("--command", help=argparse.SUPPRESS)  # the launching command, for the record
@@ -497,6 +506,8 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
     record.update(built.versions or {})
     if args.trace is not None:
         record.update(profile_steps(system, ctx, built, batches, warmup + args.steps))
+    if args.memory is not None and device.type == "cuda":
+        record["memory_at_peak"] = memory_step(system, ctx, built, batches, warmup + args.steps)
     if built.close is not None:
         built.close()
     del built, loss
@@ -535,6 +546,25 @@ def profile_steps(system: str, ctx: Ctx, built: Built, batches: list, start: int
             [e.key, round(getattr(e, key) / 1e3 / TRACE_STEPS, 3)] for e in top
         ],
     }
+
+
+def memory_step(system: str, ctx: Ctx, built: Built, batches: list, start: int) -> dict:
+    """One more step with the allocator's history on; its snapshot goes to --memory DIR and what
+    was live at its peak (rank 0's) into the record."""
+    args, device = ctx.args, ctx.device
+    sync(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    built.step(*batches[start % len(batches)])
+    sync(device)
+    args.memory.mkdir(parents=True, exist_ok=True)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    path = args.memory / f"{args.preset}_{system}_{args.tag or 'nvlink'}_rank{rank}.pickle"
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    with open(path, "wb") as f:
+        pickle.dump(snapshot, f)
+    return {"snapshot": str(path), **peak_breakdown(snapshot, before)}
 
 
 def environment(ctx: Ctx) -> dict:

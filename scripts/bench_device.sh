@@ -14,8 +14,9 @@
 # "nop2p", bandwidth-limited). "single" runs once, on one GPU. Each run is bounded by
 # BENCH_TIMEOUT seconds (default 420, under the device tool's 600 s a call); a run that dies or
 # times out without writing its line gets an error line here. The first tag's run of each system
-# starts from empty inductor/Triton caches (warmup_s is a cold start; BENCH_CACHE=cold in its
-# record), later tags reuse that system's cache (BENCH_CACHE=warm). NVLink multicast stays off
+# starts from empty inductor/Triton caches, and for zrs an empty torch extensions folder, so its
+# copy kernels build inside the run (warmup_s is a cold start; BENCH_CACHE=cold in its record);
+# later tags reuse that system's cache (BENCH_CACHE=warm). NVLink multicast stays off
 # throughout (KINDS.md: it can take the host's GPUs out of service).
 #
 # Environment knobs: BENCH_TIMEOUT, BENCH_TAGS (default "nvlink nop2p"), BENCH_ARGS (extra
@@ -34,11 +35,13 @@ shift 3
 cd "$(dirname "$0")/.."
 
 # Device-side setup first: scripts/device_setup.sh installs the carried wheels (.whl/: zrs, and
-# DeepSpeed with its missing dependencies), sets the NCCL variables, prebuilds the zrs kernels and
+# DeepSpeed with its missing dependencies) and sets the NCCL variables (no kernel prebuild), and
 # then execs this script again. BENCH_SKIP_SETUP=1 skips it (the python3 environment as is).
 if [[ -z ${BENCH_SETUP_DONE:-} && -z ${BENCH_SKIP_SETUP:-} ]]; then
     if [[ -f scripts/device_setup.sh ]]; then
-        exec bash scripts/device_setup.sh env BENCH_SETUP_DONE=1 bash scripts/bench_device.sh \
+        # No kernel prebuild: the zrs runs build them in their own cache (below).
+        ZRS_SKIP_PREBUILD=1 exec bash scripts/device_setup.sh env BENCH_SETUP_DONE=1 \
+            bash scripts/bench_device.sh \
             "$PRESET" "$NPROC" "$RESULTS" "$@"
     fi
     echo "bench_device.sh: scripts/device_setup.sh not found; using the python3 environment as is" >&2
@@ -94,6 +97,8 @@ run() {  # run SYSTEM TAG NPROC COLD
     [[ $tag == nop2p ]] && env_vars=(NCCL_P2P_DISABLE=1)
     env_vars+=(TORCHINDUCTOR_CACHE_DIR="$cache/inductor" TRITON_CACHE_DIR="$cache/triton"
         BENCH_CACHE=$state)
+    # zrs's copy kernels too: its cold run's warmup_s includes their build, as on a fresh machine.
+    [[ $system == zrs ]] && env_vars+=(TORCH_EXTENSIONS_DIR="$cache/torch_extensions")
     local -a cmd=(torchrun --standalone --nproc-per-node "$nproc" benches/step.py
         --preset "$PRESET" --systems "$system" --tag "$tag" --out "$RESULTS" "${EXTRA[@]}")
     local shown

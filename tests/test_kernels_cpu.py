@@ -6,6 +6,8 @@ CUDA kernels (tests/gpu/test_kernels.py) are checked against these same implemen
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -148,6 +150,7 @@ def test_failed_build_warns_once_then_falls_back(monkeypatch):
 
     monkeypatch.setattr(kernels, "_status", "unloaded")
     monkeypatch.setattr(kernels, "_reason", "")
+    monkeypatch.setattr(kernels, "_warned", False)
     monkeypatch.delenv("ZRS_NO_CUDA_KERNELS", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
@@ -156,6 +159,35 @@ def test_failed_build_warns_once_then_falls_back(monkeypatch):
         assert not kernels.load()
     assert not kernels.load()  # the second call neither retries nor warns again
     assert kernels.status() == ("failed", "RuntimeError: nvcc not found")
+
+
+def test_background_build_is_joined_and_its_failure_warned_by_load(monkeypatch):
+    started = threading.Event()
+    release = threading.Event()
+
+    def slow_broken_build(verbose=False):
+        started.set()
+        release.wait(10)
+        raise RuntimeError("nvcc not found")
+
+    monkeypatch.setattr(kernels, "_status", "unloaded")
+    monkeypatch.setattr(kernels, "_reason", "")
+    monkeypatch.setattr(kernels, "_warned", False)
+    monkeypatch.setattr(kernels, "_builder", None)
+    monkeypatch.delenv("ZRS_NO_CUDA_KERNELS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(kernels, "build", slow_broken_build)
+    kernels.build_in_background()
+    assert started.wait(10)
+    kernels.build_in_background()  # already building: no second thread
+    assert kernels.status()[0] == "unloaded"
+    release.set()
+    # the builder thread warned nothing; load() waits for it and warns here, once
+    with pytest.warns(kernels.KernelBuildWarning, match="nvcc not found"):
+        assert not kernels.load()
+    assert not kernels.load()
+    assert kernels._builder is None and kernels.status()[0] == "failed"
 
 
 def test_disabled_by_env(monkeypatch):

@@ -208,6 +208,29 @@ def test_ir_orders_side_effects():
             )
 
 
+def test_backward_inputs_are_live_at_the_start_and_freed_at_their_last_reader():
+    fw, bw = lowered("gpt_tied")
+    ir_fw, _ = schedule.build_ir(fw)
+    assert ir_fw["base_bytes"] == 0  # the forward's inputs belong to the caller
+    ir, nodes = schedule.build_ir(bw, is_backward=True)
+    inputs = [
+        n for n in nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+    ]
+    shards = [n for n in inputs if any(is_op(u, "allgather_param") for u in n.users)]
+    owned = [n for n in inputs if n not in shards]
+    assert shards and owned
+    expected = sum(schedule._bytes(n.meta["val"]) for n in owned)
+    assert ir["base_bytes"] == expected > 0
+    # what the graph frees covers its own allocations and every owned input
+    freed = sum(spec.get("free_bytes", 0) for spec in ir["nodes"])
+    allocated = sum(spec.get("alloc_bytes", 0) for spec in ir["nodes"] if spec["kind"] == "compute")
+    assert freed >= expected
+    assert freed <= expected + allocated
+    # a budget counts what the graph allocates on top of its inputs
+    ctx = schedule.ScheduleContext(budget=1 << 20)
+    assert schedule._graph_budget(ir, ctx) == (1 << 20) + expected
+
+
 # --- applying plans ------------------------------------------------------------------------------
 
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from zrs import kernels
 from zrs import ops as _ops  # noqa: F401  (registers the torch.ops.zrs namespace)
 from zrs._core import Registry, ZrsError
 from zrs.compiler import BACKENDS, make_backend
@@ -135,6 +136,8 @@ def compile(
         trace_dir=trace_dir_from_env(trace_dir),
         profile=profile,
     )
+    if device.type == "cuda":
+        kernels.build_in_background()  # nvcc runs while dynamo and inductor trace the model
     shard_model(model, state, init_fn)
     model._zrs_state = state
     if param_dtype is not None:

@@ -40,6 +40,8 @@ _SRC_ENV = "ZRS_CUDA_SRC"
 _lock = threading.Lock()
 _status = "unloaded"  # "unloaded" | "loaded" | "failed" | "disabled"
 _reason = ""
+_warned = False
+_builder: threading.Thread | None = None  # build_in_background()'s thread, until load() joins it
 
 
 class KernelBuildWarning(UserWarning):
@@ -96,27 +98,50 @@ def _has_cuda_kernel(op: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"zrs::{op}", "CUDA")
 
 
+def _attempt() -> None:
+    """Build and load once, recording the outcome in `_status`/`_reason`. Warns nothing: it may
+    run on the background builder thread, and `load()` warns in the caller's thread."""
+    global _status, _reason
+    if os.environ.get(_DISABLE_ENV, "") not in ("", "0"):
+        _status, _reason = "disabled", f"{_DISABLE_ENV} is set"
+    elif not torch.cuda.is_available() or torch.version.cuda is None:
+        _status, _reason = "failed", "CUDA is not available"
+    else:
+        try:
+            build()
+            _status = "loaded"
+        except Exception as e:  # any failure means: fall back, and say so once
+            _status, _reason = "failed", f"{type(e).__name__}: {e}"
+
+
+def build_in_background() -> None:
+    """Start building (or loading from the cache) on a thread, so that nvcc's ~20 s overlap
+    torch.compile's tracing of the model instead of adding to the first step; `load()` waits
+    for it. `zrs.compile` calls this for CUDA models."""
+    global _builder
+    with _lock:
+        if _status != "unloaded" or _builder is not None:
+            return
+        _builder = threading.Thread(target=_attempt, name="zrs-kernel-build", daemon=True)
+        _builder.start()
+
+
 def load() -> bool:
     """Load the CUDA kernels once per process (building them if needed); True when loaded.
 
     Never builds without CUDA. On failure, warns once and returns False from then on.
     """
-    global _status, _reason
-    if _status != "unloaded":
-        return _status == "loaded"
+    global _builder, _warned
+    if _status == "loaded":
+        return True
     with _lock:
-        if _status != "unloaded":
-            return _status == "loaded"
-        if os.environ.get(_DISABLE_ENV, "") not in ("", "0"):
-            _status, _reason = "disabled", f"{_DISABLE_ENV} is set"
-            return False
-        if not torch.cuda.is_available() or torch.version.cuda is None:
-            _status, _reason = "failed", "CUDA is not available"
-            return False
-        try:
-            build()
-        except Exception as e:  # any failure means: fall back, and say so once
-            _status, _reason = "failed", f"{type(e).__name__}: {e}"
+        if _builder is not None:
+            _builder.join()
+            _builder = None
+        elif _status == "unloaded":
+            _attempt()
+        if _status == "failed" and not _warned and torch.cuda.is_available():
+            _warned = True
             warnings.warn(
                 "zrs: the CUDA copy kernels could not be built or loaded, so packing and "
                 f"unpacking fall back to slower torch ops. Reason: {_reason.strip()[:2000]}. "
@@ -127,9 +152,7 @@ def load() -> bool:
                 KernelBuildWarning,
                 stacklevel=3,
             )
-            return False
-        _status = "loaded"
-        return True
+        return _status == "loaded"
 
 
 def status() -> tuple[str, str]:

@@ -368,6 +368,42 @@ def _ordering_deps(nodes: list[fx.Node], index: dict[fx.Node, int], deps: list[s
                         add(u, n)  # later readers after the write
 
 
+def _last_reader(holders: list[fx.Node], index: dict[fx.Node, int], default: fx.Node):
+    """The last node that reads any of `holders` through views; None if the value is returned
+    (it outlives the graph)."""
+    users: set[fx.Node] = set()
+    for h in holders:
+        closure = alias_closure(h)
+        users |= {u for c in closure for u in c.users} - set(closure)
+    users = {u for u in users if not is_op(u, "release_param")}
+    if any(u.op == "output" for u in users):
+        return None
+    return max(users, key=index.__getitem__, default=default)
+
+
+def _consumed_inputs(nodes: list[fx.Node], index: dict[fx.Node, int], free: list[int]) -> int:
+    """Bytes of the backward graph's inputs that it frees as it goes, added to `free` at each
+    input's last reader; returns their total (live when the graph starts).
+
+    The compiled backward owns its saved activations and incoming gradients: AOTAutograd clears
+    the saved tensors and inductor drops each input after its last use. Without them the planner
+    sees an empty device at the start of the backward, where the activations peak, and prefetches
+    every layer there for free. Parameter shards (read by all-gathers) live on in the module."""
+    live = 0
+    for n in nodes:
+        if n.op != "placeholder" or not isinstance(val(n), torch.Tensor):
+            continue
+        if any(is_op(u, "allgather_param") for u in n.users):
+            continue
+        last = _last_reader([n], index, default=n)
+        size = _bytes(val(n))
+        if last is None or size == 0:
+            continue
+        live += size
+        free[index[last]] += size
+    return live
+
+
 def _memory(nodes: list[fx.Node], index: dict[fx.Node, int]) -> tuple[list[int], list[int]]:
     alloc, free = [0] * len(nodes), [0] * len(nodes)
     for i, n in enumerate(nodes):
@@ -390,15 +426,9 @@ def _memory(nodes: list[fx.Node], index: dict[fx.Node, int]) -> tuple[list[int],
             if size == 0:
                 continue
             alloc[i] += size
-            users: set[fx.Node] = set()
-            for h in holders:
-                closure = alias_closure(h)
-                users |= {u for c in closure for u in c.users} - set(closure)
-            users = {u for u in users if not is_op(u, "release_param")}
-            if any(u.op == "output" for u in users):
-                continue  # returned or saved for backward: outlives the graph
-            last = max(users, key=index.__getitem__, default=n)
-            free[index[last]] += size
+            last = _last_reader(holders, index, default=n)
+            if last is not None:  # else returned or saved for backward: outlives the graph
+                free[index[last]] += size
     return alloc, free
 
 
@@ -408,17 +438,20 @@ def build_ir(
     device_type: str = "cpu",
     world: int = 1,
     durations: Mapping[str, float] | None = None,
+    is_backward: bool = False,
 ) -> tuple[dict[str, Any], list[fx.Node]]:
     """The planner IR of a lowered graph, and the FX node behind each IR index.
 
     ``durations`` (node name -> microseconds) overrides the analytic estimate: the hook for a
-    measured profile.
+    measured profile. A backward graph's inputs are live at its start (``base_bytes``) and
+    freed at their last readers.
     """
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     deps = [{index[a] for a in n.all_input_nodes} for n in nodes]
     _ordering_deps(nodes, index, deps)
     alloc, free = _memory(nodes, index)
+    base = _consumed_inputs(nodes, index, free) if is_backward else 0
     specs = []
     for i, n in enumerate(nodes):
         kind = _kind(n)
@@ -437,7 +470,7 @@ def build_ir(
         if free[i]:
             spec["free_bytes"] = free[i]
         specs.append(spec)
-    return {"nodes": specs, "budget_bytes": None, "base_bytes": 0, "world": max(world, 1)}, nodes
+    return {"nodes": specs, "budget_bytes": None, "base_bytes": base, "world": max(world, 1)}, nodes
 
 
 # --- applying a plan ---------------------------------------------------------------------------
@@ -534,11 +567,23 @@ def graph_label(graph_id: int, is_backward: bool) -> str:
     return f"{'backward' if is_backward else 'forward'} graph {graph_id}"
 
 
+def _graph_budget(ir: dict[str, Any], ctx: ScheduleContext) -> int | None:
+    """The planner's budget counts what is live at the graph's start (``base_bytes``); the
+    user's and the automatic budget count what the graph allocates on top."""
+    return None if ctx.budget is None else ctx.budget + ir["base_bytes"]
+
+
 def _plan_local(ir: dict[str, Any], ctx: ScheduleContext, detail: bool) -> dict[str, Any]:
-    return zplan.plan(ir, ctx.scheduler, ctx.budget, ctx.collective_cost(), detail=detail)
+    budget = _graph_budget(ir, ctx)
+    return zplan.plan(ir, ctx.scheduler, budget, ctx.collective_cost(), detail=detail)
 
 
-def _budget_error(msg: str, what: str, ctx: ScheduleContext) -> ZrsError:
+def _budget_error(msg: str, what: str, ctx: ScheduleContext, base: int) -> ZrsError:
+    if base:
+        msg += (
+            f" (these figures include the {base} bytes of inputs live at the graph's start; "
+            "memory_budget counts only what the graph allocates on top of them)"
+        )
     return ZrsError(
         f"{what}: {msg}. The budget came from {ctx.budget_source}; pass "
         "zrs.compile(..., memory_budget=BYTES) with at least that many bytes, or "
@@ -550,12 +595,12 @@ def _write_trace(ir, p, ctx: ScheduleContext, graph_id: int, is_backward: bool) 
     out = Path(ctx.trace_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"graph{graph_id}_{'bw' if is_backward else 'fw'}"
-    cost = ctx.collective_cost()
-    Path(f"{stem}.ir.json").write_text(json.dumps({**ir, "budget_bytes": ctx.budget}))
-    zplan.write_trace(ir, f"{stem}.trace.json", ctx.scheduler, ctx.budget, cost)
+    cost, budget = ctx.collective_cost(), _graph_budget(ir, ctx)
+    Path(f"{stem}.ir.json").write_text(json.dumps({**ir, "budget_bytes": budget}))
+    zplan.write_trace(ir, f"{stem}.trace.json", ctx.scheduler, budget, cost)
     plans = [p]
     if ctx.scheduler != "greedy":
-        plans.insert(0, zplan.plan(ir, "greedy", ctx.budget, cost, detail=True))
+        plans.insert(0, zplan.plan(ir, "greedy", budget, cost, detail=True))
     zplan.plot_memory(plans, f"{stem}.memory.png")
 
 
@@ -567,13 +612,19 @@ def schedule_graph(
         return None
     what = graph_label(graph_id, is_backward)
     durations = profile_graph(graph, torch.device(ctx.device), ctx.group) if ctx.profile else None
-    ir, nodes = build_ir(graph, device_type=ctx.device_type, world=ctx.world, durations=durations)
+    ir, nodes = build_ir(
+        graph,
+        device_type=ctx.device_type,
+        world=ctx.world,
+        durations=durations,
+        is_backward=is_backward,
+    )
     trace = bool(ctx.trace_dir) and ctx.rank == 0
     try:
         p = _plan_local(ir, ctx, detail=trace)
     except ZrsError as e:
         if "infeasible" in str(e):
-            raise _budget_error(str(e), what, ctx) from None
+            raise _budget_error(str(e), what, ctx, ir["base_bytes"]) from None
         raise ZrsError(f"{what}: planning failed: {e}") from None
     prefetches = apply_plan(graph, nodes, p["order"], p["groups"], graph_id)
     if trace:

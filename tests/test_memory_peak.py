@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
 
-from memory_peak import peak_breakdown  # noqa: E402
+from memory_peak import peak_breakdown
 
 
 def _ev(action: str, addr: int, size: int, file: str = "x.py", line: int = 1) -> dict:

@@ -229,6 +229,14 @@ def test_backward_inputs_are_live_at_the_start_and_freed_at_their_last_reader():
     # a budget counts what the graph allocates on top of its inputs
     ctx = schedule.ScheduleContext(budget=1 << 20)
     assert schedule._graph_budget(ir, ctx) == (1 << 20) + expected
+    # the automatic (free-memory) budget stops near the greedy schedule's peak
+    free = schedule.ScheduleContext(budget=1 << 40, budget_is_free_memory=True)
+    greedy_peak = zplan.plan(ir, "greedy", None, free.collective_cost())["peak_bytes"]
+    largest = max(spec["bytes"] for spec in ir["nodes"] if spec["kind"] == "allgather")
+    allowance = schedule.PREFETCH_ALLOWANCE_GATHERS * largest
+    assert schedule._graph_budget(ir, free) == greedy_peak + allowance
+    tight = schedule.ScheduleContext(budget=16, budget_is_free_memory=True)
+    assert schedule._graph_budget(ir, tight) == 16 + expected  # less free memory than that
 
 
 # --- applying plans ------------------------------------------------------------------------------

@@ -92,7 +92,8 @@ def compile(
             parameters and buffers (default: the module's `reset_parameters()`).
         memory_budget: bytes each compiled graph may allocate (gathered parameters and
             activations, as the planner estimates them). Default: on CUDA the free device memory
-            (the least over the ranks) less a margin; elsewhere the planner keeps the peak at the
+            (the least over the ranks) less a margin, capped at the greedy schedule's peak plus
+            two of the graph's largest gathers; elsewhere the planner keeps the peak at the
             greedy schedule's. A budget below what the graph needs raises ZrsError naming the
             least feasible budget.
         scheduler: how the gathers, releases and prefetches of each graph are ordered: "search"

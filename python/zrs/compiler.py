@@ -88,7 +88,10 @@ def schedule_context(state: ZeroState) -> ScheduleContext:
     budget, source = state.memory_budget, "memory_budget="
     if budget is None and state.scheduler == "search" and state.device.type == "cuda":
         budget = device_budget(state.group, state.device)
-        source = "the free device memory (least over the ranks, less a margin)"
+        source = (
+            "the free device memory (least over the ranks, less a margin), capped at the greedy "
+            "schedule's peak plus two of the largest gathers"
+        )
     elif budget is None:
         source = "the planner's default (the greedy schedule's peak)"
     profile = state.profile and state.scheduler != "none"
@@ -99,6 +102,7 @@ def schedule_context(state: ZeroState) -> ScheduleContext:
         scheduler=state.scheduler,
         budget=budget,
         budget_source=source,
+        budget_is_free_memory=state.memory_budget is None and budget is not None,
         world=state.world_size,
         device=str(state.device),
         group=state.group,

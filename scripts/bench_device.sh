@@ -19,7 +19,8 @@
 # later tags reuse that system's cache (BENCH_CACHE=warm). NVLink multicast stays off
 # throughout (KINDS.md: it can take the host's GPUs out of service).
 #
-# Environment knobs: BENCH_TIMEOUT, BENCH_TAGS (default "nvlink nop2p"), BENCH_ARGS (extra
+# Environment knobs: BENCH_TIMEOUT, BENCH_TAGS (default "nvlink nop2p"; any tag that starts with
+# "nop2p" runs with NCCL_P2P_DISABLE=1, e.g. "nop2p_bf16rs" for a variant), BENCH_ARGS (extra
 # arguments for step.py, e.g. "--warmup 10 --steps 20"), BENCH_LOG_DIR (default /tmp/bench_logs).
 # On the device tool's machine ($OUT set to a folder), OUTFILE and a tarball of the logs are
 # copied into $OUT at the end, so that they come back.
@@ -94,7 +95,7 @@ run() {  # run SYSTEM TAG NPROC COLD
     local cache=/tmp/bench_cache/${PRESET}_${system}_${nproc} state=warm
     if [[ $cold == 1 ]]; then rm -rf "$cache"; state=cold; fi
     local -a env_vars=()
-    [[ $tag == nop2p ]] && env_vars=(NCCL_P2P_DISABLE=1)
+    [[ $tag == nop2p* ]] && env_vars=(NCCL_P2P_DISABLE=1)
     env_vars+=(TORCHINDUCTOR_CACHE_DIR="$cache/inductor" TRITON_CACHE_DIR="$cache/triton"
         BENCH_CACHE=$state)
     # zrs's copy kernels too: its cold run's warmup_s includes their build, as on a fresh machine.

@@ -21,7 +21,8 @@
 #
 # Environment knobs: BENCH_TIMEOUT, BENCH_TAGS (default "nvlink nop2p"; any tag that starts with
 # "nop2p" runs with NCCL_P2P_DISABLE=1, e.g. "nop2p_bf16rs" for a variant), BENCH_ARGS (extra
-# arguments for step.py, e.g. "--warmup 10 --steps 20"), BENCH_LOG_DIR (default /tmp/bench_logs).
+# arguments for step.py, e.g. "--warmup 10 --steps 20"), BENCH_LOG_DIR (default /tmp/bench_logs),
+# BENCH_WARM=1 (keep the caches of an earlier call on this machine: no cold run).
 # On the device tool's machine ($OUT set to a folder), OUTFILE and a tarball of the logs are
 # copied into $OUT at the end, so that they come back.
 set -uo pipefail
@@ -93,7 +94,7 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader 2>/dev/null
 run() {  # run SYSTEM TAG NPROC COLD
     local system=$1 tag=$2 nproc=$3 cold=$4 before after rc log
     local cache=/tmp/bench_cache/${PRESET}_${system}_${nproc} state=warm
-    if [[ $cold == 1 ]]; then rm -rf "$cache"; state=cold; fi
+    if [[ $cold == 1 && -z ${BENCH_WARM:-} ]]; then rm -rf "$cache"; state=cold; fi
     local -a env_vars=()
     [[ $tag == nop2p* ]] && env_vars=(NCCL_P2P_DISABLE=1)
     env_vars+=(TORCHINDUCTOR_CACHE_DIR="$cache/inductor" TRITON_CACHE_DIR="$cache/triton"

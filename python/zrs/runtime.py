@@ -180,6 +180,9 @@ class _InFlight:
 
     def unpack(self) -> None:
         world = self.members[0][0].state.world_size
+        for h, _ in self.members:  # storage held back at issue (issue_gather): allocate it now
+            buf = _BUFFERS[h.ds_id]
+            buf.untyped_storage().resize_(buf.numel() * buf.element_size())
         torch.ops.zrs.unpack_rank_major(
             self.recv,
             world,
@@ -194,8 +197,13 @@ _IN_FLIGHT: dict[int, _InFlight] = {}  # ds_id -> the collective that fills its 
 _PREFETCHED: set[int] = set()  # gathered by prefetch_params_fused, holder not yet claimed
 
 
+_SHAPED: dict[int, torch.Tensor] = {}  # ds_id -> the parameter's view of its buffer
+
+
 def _shaped(h: ParamHandle) -> torch.Tensor:
-    return _BUFFERS[h.ds_id].narrow(0, 0, h.numel).view(h.shape)
+    # A fresh view of a view made when the buffer was allocated: `view` needs no storage, so it
+    # also works while a fused gather holds the buffer's storage back (narrow would not).
+    return _SHAPED[h.ds_id].view(h.shape)
 
 
 def issue_gather(
@@ -220,9 +228,17 @@ def issue_gather(
         raise ZrsError("a fused prefetch group mixes gather dtypes; the planner must split it")
     # The gathered buffers are read by the compute stream: allocated on it (zrs.streams).
     for h, _, _ in todo:
-        _BUFFERS[h.ds_id] = torch.empty(h.padded_numel, dtype=dtype, device=device)
+        buf = torch.empty(h.padded_numel, dtype=dtype, device=device)
+        _BUFFERS[h.ds_id] = buf
+        _SHAPED[h.ds_id] = buf.narrow(0, 0, h.numel).view(h.shape)
     side = streams.side_stream(device, "gather")
     if side is None:
+        if len(todo) > 1:
+            # A fused gather lands in its receive buffer and is unpacked at the first wait: until
+            # then the members' buffers need no memory. Holding it back keeps a prefetch in flight
+            # at 1x its gathered bytes (plus the send block), as the planner counts it, not 2x.
+            for h, _, _ in todo:
+                _BUFFERS[h.ds_id].untyped_storage().resize_(0)
         flight = _start_gather(todo, state, dtype, device, async_op=True)
     else:
         with streams.running_on(side) as done:
@@ -289,6 +305,7 @@ def release(ds_id: int) -> None:
     h = handle(ds_id)
     if h.state.registry.release(h.local_id):
         buf = _BUFFERS.pop(ds_id)
+        del _SHAPED[ds_id]
         if h.state.free_on_release:
             # The graph's remaining aliases of the buffer are dead: the release follows the last use.
             buf.untyped_storage().resize_(0)
@@ -420,6 +437,7 @@ def reset() -> None:
     """Drop all in-flight state (tests, and recovery after an exception mid-step)."""
     global _callback_queued
     _BUFFERS.clear()
+    _SHAPED.clear()
     _IN_FLIGHT.clear()
     _PREFETCHED.clear()
     _BUCKETS.clear()

@@ -50,7 +50,7 @@ if [[ -z ${BENCH_SETUP_DONE:-} && -z ${BENCH_SKIP_SETUP:-} ]]; then
 fi
 # Whatever the setup did: NVLink multicast off in NCCL, PyTorch and NVSHMEM.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}  # DeepSpeed's JIT ops: Hopper only
+export TORCH_CUDA_ARCH_LIST=9.0  # DeepSpeed's JIT ops parse it: "9.0a" (set on some machines) fails
 export PYTHONUNBUFFERED=1
 
 # DeepSpeed, if carried as wheels in .whl/ (see benches/README.md) and still not importable.

@@ -294,8 +294,8 @@ def _force_one_group(monkeypatch) -> None:
     """Plan normally, then fuse every all-gather of the graph into one prefetch group."""
     real = schedule._plan_local
 
-    def forced(ir, ctx, detail):
-        p = real(ir, ctx, detail)
+    def forced(ir, ctx, budget, detail):
+        p = real(ir, ctx, budget, detail)
         gathers = [i for i, n in enumerate(ir["nodes"]) if n["kind"] == "allgather"]
         return {**p, "groups": [gathers]}
 

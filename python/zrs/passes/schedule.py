@@ -103,8 +103,8 @@ BUDGET_ROUND_BYTES = 256 << 20
 # The automatic CUDA budget is also capped at the greedy schedule's peak plus this many of the
 # graph's largest all-gather: prefetching further ahead buys little (the planner's estimates are
 # rough, so a far prefetch is a guess) and costs real memory (a fused gather in flight also holds
-# its send and receive buffers, which the planner does not count). Without the cap the search
-# spent the free memory: 18.3 GiB peak on 2xH200 (1b) against FSDP2's 17.7.
+# its send block, which the planner does not count). Without the cap the search spent the free
+# memory: 18.3 GiB peak on 2xH200 (1b) against FSDP2's 17.7.
 PREFETCH_ALLOWANCE_GATHERS = 2
 # Fuse gathers that downcast (param_dtype) into prefetch groups too; the groups are split by
 # gather dtype. False keeps them single (a switch for bisecting).
@@ -588,8 +588,9 @@ def _graph_budget(ir: dict[str, Any], ctx: ScheduleContext) -> int | None:
     return budget
 
 
-def _plan_local(ir: dict[str, Any], ctx: ScheduleContext, detail: bool) -> dict[str, Any]:
-    budget = _graph_budget(ir, ctx)
+def _plan_local(
+    ir: dict[str, Any], ctx: ScheduleContext, budget: int | None, detail: bool
+) -> dict[str, Any]:
     return zplan.plan(ir, ctx.scheduler, budget, ctx.collective_cost(), detail=detail)
 
 
@@ -606,11 +607,13 @@ def _budget_error(msg: str, what: str, ctx: ScheduleContext, base: int) -> ZrsEr
     )
 
 
-def _write_trace(ir, p, ctx: ScheduleContext, graph_id: int, is_backward: bool) -> None:
+def _write_trace(
+    ir, p, budget: int | None, ctx: ScheduleContext, graph_id: int, is_backward: bool
+) -> None:
     out = Path(ctx.trace_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"graph{graph_id}_{'bw' if is_backward else 'fw'}"
-    cost, budget = ctx.collective_cost(), _graph_budget(ir, ctx)
+    cost = ctx.collective_cost()
     Path(f"{stem}.ir.json").write_text(json.dumps({**ir, "budget_bytes": budget}))
     zplan.write_trace(ir, f"{stem}.trace.json", ctx.scheduler, budget, cost)
     plans = [p]
@@ -636,14 +639,15 @@ def schedule_graph(
     )
     trace = bool(ctx.trace_dir) and ctx.rank == 0
     try:
-        p = _plan_local(ir, ctx, detail=trace)
+        budget = _graph_budget(ir, ctx)  # plans the greedy order when capping a CUDA budget
+        p = _plan_local(ir, ctx, budget, detail=trace)
     except ZrsError as e:
         if "infeasible" in str(e):
             raise _budget_error(str(e), what, ctx, ir["base_bytes"]) from None
         raise ZrsError(f"{what}: planning failed: {e}") from None
     prefetches = apply_plan(graph, nodes, p["order"], p["groups"], graph_id)
     if trace:
-        _write_trace(ir, p, ctx, graph_id, is_backward)
+        _write_trace(ir, p, budget, ctx, graph_id, is_backward)
     return Scheduled(ir=ir, plan=p, prefetches=prefetches)
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from zrs import kernels
+from zrs import kernels, runtime
 from zrs import ops as _ops  # noqa: F401  (registers the torch.ops.zrs namespace)
 from zrs._core import Registry, ZrsError
 from zrs.compiler import BACKENDS, make_backend
@@ -74,6 +74,7 @@ def compile(
     scheduler: str = "search",
     trace_dir: str | os.PathLike | None = None,
     profile: bool = True,
+    keep_for_backward: bool = True,
 ) -> nn.Module:
     """Shard `model` across the process group and compile it with the zrs ZeRO-3 backend.
 
@@ -107,6 +108,11 @@ def compile(
             of its shapes (collectives stubbed out) to time its compute nodes, and a short sweep
             of all-gather and reduce-scatter sizes fits the collectives' latency and bandwidth
             (the maximum over ranks, so every rank plans the same). False: analytic estimates.
+        keep_for_backward: a training forward keeps the parameters it uses last (e.g. the
+            output head and the last layer) gathered for the backward, which starts with them,
+            instead of releasing them and gathering them again at once. It keeps at most two of
+            the graph's largest gathers, within memory_budget when one is given. False releases
+            every parameter at its last forward use (the least memory at the forward's end).
 
     Returns the same model object, sharded and compiled in place.
     """
@@ -136,9 +142,12 @@ def compile(
         memory_budget=memory_budget,
         trace_dir=trace_dir_from_env(trace_dir),
         profile=profile,
+        keep_for_backward=keep_for_backward,
     )
     if device.type == "cuda":
         kernels.build_in_background()  # nvcc runs while dynamo and inductor trace the model
+    if keep_for_backward:
+        runtime.drop_kept_before_optimizer_steps()
     shard_model(model, state, init_fn)
     model._zrs_state = state
     if param_dtype is not None:

@@ -104,6 +104,11 @@ def chrome_trace(
 ) -> str:
     """Plan and return the Chrome-trace (Perfetto) JSON of the plan."""
 
+def kept_for_backward(releases: Sequence[tuple[int, int]], allowance: int) -> list[int]:
+    """The parameters a training forward keeps gathered for its backward: the longest run of
+    its last releases, ``(ds_id, gathered bytes)`` in execution order, within ``allowance`` bytes
+    (a parameter counts at its last release). Returned in release order."""
+
 def synthetic_graph(n_nodes: int = 0, preset: str = "1b", world: int = 2) -> str:
     """A synthetic transformer training graph (planner IR JSON) of about ``n_nodes`` nodes."""
 

@@ -26,6 +26,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn
 
 from zrs.passes.consistency import check_same_graph
+from zrs.passes.keep import keep_allowance, keep_for_backward
 from zrs.passes.recompute import tag_gathers_for_recompute
 from zrs.passes.schedule import ScheduleContext, device_budget, graph_label, schedule_graph
 from zrs.passes.zero3 import lower_zero3
@@ -54,9 +55,10 @@ class ZeroPartitioner(CustomPartitionerFn):
 
 PARTITIONER = ZeroPartitioner()
 
-# (graph_id, is_backward, lower, schedule context) of the graph inductor is compiling right now.
-_CURRENT: contextvars.ContextVar[tuple[int, bool, Any, ScheduleContext]] = contextvars.ContextVar(
-    "zrs_current"
+# (graph_id, is_backward, keep, lower, schedule context) of the graph inductor is compiling
+# right now; keep: a training forward that keeps its last gathered parameters for the backward.
+_CURRENT: contextvars.ContextVar[tuple[int, bool, bool, Any, ScheduleContext]] = (
+    contextvars.ContextVar("zrs_current")
 )
 
 
@@ -64,15 +66,15 @@ class ZeroLowering(CustomGraphPass):
     """The zero3 and schedule passes as inductor's `post_grad_custom_post_pass`."""
 
     def __call__(self, graph: fx.Graph) -> None:
-        _, is_backward, lower, ctx = _CURRENT.get()
-        lower(graph, is_backward, ctx)
+        _, is_backward, keep, lower, ctx = _CURRENT.get()
+        lower(graph, is_backward, keep, ctx)
 
     def uuid(self) -> str:
         # graph_id and the schedule options are not in the graph before this pass runs, so they
         # must be in the cache key.
-        graph_id, is_backward, _, ctx = _CURRENT.get()
-        source = _source_hash("zero3.py", "_nodes.py", "schedule.py")
-        return f"{source}:{graph_id}:{int(is_backward)}:{ctx.key()}"
+        graph_id, is_backward, keep, _, ctx = _CURRENT.get()
+        source = _source_hash("zero3.py", "_nodes.py", "schedule.py", "keep.py")
+        return f"{source}:{graph_id}:{int(is_backward)}:{int(keep)}:{ctx.key()}"
 
 
 LOWERING = ZeroLowering()
@@ -114,12 +116,23 @@ def schedule_context(state: ZeroState) -> ScheduleContext:
 
 
 def _lower(
-    state: ZeroState, graph_id: int, graph: fx.Graph, is_backward: bool, ctx: ScheduleContext
+    state: ZeroState,
+    graph_id: int,
+    graph: fx.Graph,
+    is_backward: bool,
+    keep: bool,
+    ctx: ScheduleContext,
 ) -> None:
     lowered = lower_zero3(graph, graph_id, is_backward=is_backward)
     for ds_id, n in lowered.uses.items():
         state.registry.set_uses(graph_id, handle(ds_id).local_id, n)
-    schedule_graph(graph, graph_id, is_backward=is_backward, ctx=ctx)
+    scheduled = schedule_graph(graph, graph_id, is_backward=is_backward, ctx=ctx)
+    if keep and state.keep_for_backward:
+        budget_left = None  # the automatic budget's allowance is the prefetch's (passes/keep.py)
+        if state.memory_budget is not None:
+            peak = scheduled.plan["peak_bytes"] if scheduled is not None else state.memory_budget
+            budget_left = state.memory_budget - peak
+        keep_for_backward(graph, keep_allowance(graph, budget_left))
 
 
 def make_backend(state: ZeroState, backend: str):
@@ -151,6 +164,7 @@ def _inductor(gm: fx.GraphModule, example_inputs: list[Any], graph_id: int, chec
 
     def inner(gm: fx.GraphModule, inputs: list[Any], **kwargs: Any):
         is_backward = bool(kwargs.get("is_backward", False))
+        keep = not is_backward and not kwargs.get("is_inference", False)
         check(gm.graph, is_backward)  # before inductor's cache lookup: every rank runs it
         ctx = context()  # likewise (the CUDA budget is a collective)
         patches: dict[str, Any] = {"post_grad_custom_post_pass": LOWERING, **SAME_ON_EVERY_RANK}
@@ -162,7 +176,7 @@ def _inductor(gm: fx.GraphModule, example_inputs: list[Any], graph_id: int, chec
             # The profile inside the pass is exchanged between ranks: a cache hit on one rank
             # only (which skips the pass) would leave the others waiting in the exchange.
             patches["fx_graph_cache"] = False
-        token = _CURRENT.set((graph_id, is_backward, lower, ctx))
+        token = _CURRENT.set((graph_id, is_backward, keep, lower, ctx))
         try:
             # Patched here, not around compile_fx: the backward is compiled lazily, later.
             with inductor_config.patch(patches):
@@ -175,18 +189,19 @@ def _inductor(gm: fx.GraphModule, example_inputs: list[Any], graph_id: int, chec
 
 
 def _eager(gm: fx.GraphModule, example_inputs: list[Any], check, lower, context):
-    def compiler(is_backward: bool):
+    def compiler(is_backward: bool, keep: bool):
         def run(gm: fx.GraphModule, inputs: list[Any]):
             check(gm.graph, is_backward)
-            lower(gm.graph, is_backward, context())
+            lower(gm.graph, is_backward, keep, context())
             gm.recompile()
             return make_boxed_func(gm.forward)
 
         return run
 
     return aot_autograd(
-        fw_compiler=compiler(False),
-        bw_compiler=compiler(True),
+        fw_compiler=compiler(False, keep=True),
+        bw_compiler=compiler(True, keep=False),
+        inference_compiler=compiler(False, keep=False),
         partition_fn=PARTITIONER,
         keep_inference_input_mutations=True,
     )(gm, example_inputs)

@@ -30,8 +30,8 @@ SCHEMAS = {
     ),
     "wait_allgather": "wait_allgather(Tensor(a) x, int graph_id, int ds_id) -> Tensor(a)",
     "release_param": (
-        "release_param(Tensor(a) x, int graph_id, int ds_id, int n_users, Tensor[] after)"
-        " -> Tensor(a)"
+        "release_param(Tensor(a) x, int graph_id, int ds_id, int n_users, Tensor[] after, "
+        "bool keep=False) -> Tensor(a)"
     ),
     "prefetch_params_fused": (
         "prefetch_params_fused(int graph_id, Tensor[] shards, int[] ds_ids, "
@@ -130,13 +130,13 @@ def _wait_allgather_fake(x, graph_id, ds_id):
 
 
 @_impl("release_param")
-def _release_param(x, graph_id, ds_id, n_users, after):
-    runtime.release(ds_id)
+def _release_param(x, graph_id, ds_id, n_users, after, keep=False):
+    runtime.release(ds_id, keep=keep)
     return x.view_as(x)
 
 
 @_fake("release_param")
-def _release_param_fake(x, graph_id, ds_id, n_users, after):
+def _release_param_fake(x, graph_id, ds_id, n_users, after, keep=False):
     return x.view_as(x)
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from zrs import streams
 from zrs._core import Registry, ZrsError
@@ -53,6 +54,8 @@ class ZeroState:
     # Measure compute and collective times for the planner (zrs.profile); the fitted collective
     # cost model is measured once, at the first graph compile.
     profile: bool = True
+    # Training forwards keep their last-used gathered parameters for the backward (passes/keep.py).
+    keep_for_backward: bool = True
     cost_model: dict | None = None
     cost_measured: bool = False
 
@@ -212,6 +215,8 @@ def issue_gather(
     """Start one all-gather for every handle whose registry says a collective is needed."""
     todo = []
     for h, s, dt in zip(hs, shards, dtypes, strict=True):
+        if _claim_kept(h, dt):
+            continue  # a forward's kept copy, and its hold, serve this gather
         if h.state.registry.start_gather(h.local_id):
             todo.append((h, s, dt))
         elif h.ds_id in _BUFFERS and _BUFFERS[h.ds_id].dtype != dt:
@@ -301,14 +306,72 @@ def wait_gather(ds_id: int) -> None:
     h.state.registry.finish_gather(h.local_id)
 
 
-def release(ds_id: int) -> None:
+def release(ds_id: int, keep: bool = False) -> None:
     h = handle(ds_id)
+    if keep:
+        _keep(h)
+    else:
+        _drop_hold(h)
+
+
+def _drop_hold(h: ParamHandle) -> None:
     if h.state.registry.release(h.local_id):
-        buf = _BUFFERS.pop(ds_id)
-        del _SHAPED[ds_id]
+        buf = _BUFFERS.pop(h.ds_id)
+        del _SHAPED[h.ds_id]
         if h.state.free_on_release:
             # The graph's remaining aliases of the buffer are dead: the release follows the last use.
             buf.untyped_storage().resize_(0)
+
+
+# --- copies a training forward keeps for its backward (passes/keep.py) ---------------------------
+# ds_id -> the shard's version counter when the forward kept the gathered copy. The forward's
+# hold stays in the registry, so the copy stays "available"; the parameter's next gather takes
+# the copy and the hold over (normally the backward's first use), unless the shard changed since.
+_KEPT: dict[int, int] = {}
+
+
+def _keep(h: ParamHandle) -> None:
+    if not h.state.free_on_release:
+        # Inductor may reuse a buffer that it sees dead for the output of a later kernel of the
+        # same graph: the copy kept for the backward must be one the graph never saw. A device
+        # copy (~0.1 ms for a 1b model's head and last layer) against a gather over the link.
+        buf = _BUFFERS[h.ds_id].clone()
+        _BUFFERS[h.ds_id] = buf
+        _SHAPED[h.ds_id] = buf.narrow(0, 0, h.numel).view(h.shape)
+    _KEPT[h.ds_id] = h.shard._version
+
+
+def _claim_kept(h: ParamHandle, dtype: torch.dtype) -> bool:
+    """True when a kept copy of `h` serves a gather in `dtype`; a stale one (the shard changed,
+    e.g. an optimizer step after a forward without backward, or another dtype) is freed."""
+    version = _KEPT.pop(h.ds_id, None)
+    if version is None:
+        return False
+    if version == h.shard._version and _BUFFERS[h.ds_id].dtype == dtype:
+        return True
+    _drop_hold(h)
+    return False
+
+
+def drop_kept() -> None:
+    """Free the kept copies no gather took over (the backward did not use them)."""
+    for ds_id in list(_KEPT):
+        del _KEPT[ds_id]
+        _drop_hold(handle(ds_id))
+
+
+_optimizer_hook: object = None
+
+
+def drop_kept_before_optimizer_steps() -> None:
+    """Also free the kept copies before every torch.optim step (hooked once per process): a step
+    is where shards change, and one that writes through `.data` bumps no version counter, which
+    `_claim_kept` checks."""
+    global _optimizer_hook
+    if _optimizer_hook is None:
+        _optimizer_hook = register_optimizer_step_pre_hook(
+            lambda optimizer, args, kwargs: drop_kept()
+        )
 
 
 # --- gradient buckets -------------------------------------------------------------------------
@@ -412,6 +475,7 @@ def finish_grads() -> None:
     flush_grads()
     while _REDUCING:
         _complete(_REDUCING.pop(0))
+    drop_kept()
 
 
 def _queue_final_callback() -> None:
@@ -440,6 +504,7 @@ def reset() -> None:
     _SHAPED.clear()
     _IN_FLIGHT.clear()
     _PREFETCHED.clear()
+    _KEPT.clear()
     _BUCKETS.clear()
     _REDUCING.clear()
     _callback_queued = False

@@ -77,7 +77,15 @@ fn fit_cost_model(
     ToPyResult(CostModel::fit(&allgather, &reduce_scatter, world).map(|m| m.to_json())).into()
 }
 
+/// The forward's last-released parameters to keep for the backward (`plan::keep`): releases in
+/// execution order as (ds_id, gathered bytes), and the bytes they may hold.
+#[pyfunction]
+fn kept_for_backward(releases: Vec<(usize, u64)>, allowance: u64) -> Vec<usize> {
+    plan::keep::kept_for_backward(&releases, allowance)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(kept_for_backward, m)?)?;
     m.add_function(wrap_pyfunction!(plan_graph, m)?)?;
     m.add_function(wrap_pyfunction!(compare_plans, m)?)?;
     m.add_function(wrap_pyfunction!(chrome_trace, m)?)?;

@@ -7,6 +7,7 @@
 //! - [`greedy`]: DeepCompile's fast_free_schedule, the baseline.
 //! - [`search`]: budget-aware list scheduling plus a simulator-scored search; never worse.
 //! - [`buckets`]: fused prefetch buckets from the comm model.
+//! - [`keep`]: which gathered parameters a forward keeps for its backward.
 //! - [`synth`]: synthetic transformer graphs; [`trace`]: Chrome trace and memory series.
 //!
 //! One call plans one graph: [`plan`] (Rust) or [`plan_json`] (the JSON boundary used by Python).
@@ -15,6 +16,7 @@ pub mod buckets;
 pub mod cost;
 pub mod graph;
 pub mod greedy;
+pub mod keep;
 pub mod search;
 pub mod sim;
 pub mod synth;

@@ -137,6 +137,7 @@ def compile(
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype or torch.float32,
         registry=Registry(world),
+        reduce_group=runtime.reduce_group_of(group),
         free_on_release=backend == "eager",
         scheduler=scheduler,
         memory_budget=memory_budget,

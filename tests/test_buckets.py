@@ -73,3 +73,33 @@ def test_gradients_accumulate_over_micro_batches(monkeypatch) -> None:
     }
     for shard, grad in want.items():
         torch.testing.assert_close(shard.grad[: grad.numel()], grad, rtol=1e-5, atol=1e-6)
+
+
+def _reduce_groups(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from zrs import runtime
+
+    sub = dist.new_group([0, 1])  # every rank creates the subgroup
+    out: dict = {}
+    if rank in (0, 1):  # only its members make its reduce communicator (rank 2 does not call)
+        reduce = runtime.reduce_group_of(sub)
+        x = torch.full((2,), float(rank + 1))
+        y = torch.empty(1)
+        dist.reduce_scatter_tensor(y, x, group=reduce)
+        out = {
+            "separate": reduce is not sub,
+            "ranks": dist.get_process_group_ranks(reduce),
+            "sum": y.item(),
+        }
+    dist.barrier()
+    return out
+
+
+def test_reduce_scatters_get_a_communicator_of_their_own_over_the_same_ranks():
+    """A second communicator, so that NCCL does not queue reduce-scatters behind all-gathers;
+    made by the group's members alone, so a subgroup works without the other ranks."""
+    results = run_workers(_reduce_groups, 3)
+    for r in results[:2]:
+        assert r == {"separate": True, "ranks": [0, 1], "sum": 3.0}
+    assert results[2] == {}

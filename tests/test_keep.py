@@ -117,7 +117,19 @@ def test_the_kept_run_is_the_longest_suffix_within_the_allowance():
     assert _core.kept_for_backward(releases, 199) == []
 
 
-def test_an_explicit_budget_caps_the_allowance():
-    graph = torch.fx.Graph()  # no gathers: the allowance is 0 whatever the budget
-    assert keep_allowance(graph) == 0
-    assert keep_allowance(graph, budget_left=-5) == 0
+def test_the_allowance_is_two_largest_gathers_capped_by_an_explicit_budget(monkeypatch, gathered):
+    from zrs import compiler
+
+    seen = {}
+    keep = compiler.keep_for_backward
+
+    def spy(graph, allowance):
+        seen["graph"], seen["allowance"] = graph, allowance
+        return keep(graph, allowance)
+
+    monkeypatch.setattr(compiler, "keep_for_backward", spy)
+    _step(_model("eager", keep=True), gathered)
+    largest = 32 * 8 * 4  # the head's weight, gathered in fp32
+    assert seen["allowance"] == keep_allowance(seen["graph"]) == 2 * largest
+    assert keep_allowance(seen["graph"], budget_left=100) == 100
+    assert keep_allowance(seen["graph"], budget_left=-5) == 0

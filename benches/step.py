@@ -501,6 +501,10 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
     if system == "zrs":
         record["zrs_backend"] = args.zrs_backend
         record["zrs_scheduler"] = args.zrs_scheduler
+        # zrs's own share of the warm-up (this rank's; dynamo, inductor and the kernel build
+        # are the rest).
+        state = built.keep[0]._zrs_state
+        record["zrs_compile_s"] = {k: round(v, 2) for k, v in sorted(state.compile_s.items())}
     elif system in ("single", "fsdp2_compile"):
         record["compile_backend"] = args.compile_backend
     record.update(built.versions or {})

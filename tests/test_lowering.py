@@ -94,3 +94,11 @@ def test_torch_nn_container_is_captured_whole(backend):
     runtime.reset()
     assert counters["stats"]["unique_graphs"] == 1
     assert not counters["graph_break"]
+
+
+def test_the_compile_time_of_each_zrs_phase_is_recorded(lowered):
+    model = zrs.compile(Net(), backend="eager")
+    model(torch.randn(4, 6)).backward()
+    spent = model._zrs_state.compile_s
+    assert {"lower", "profile", "plan", "keep"} <= spent.keys()
+    assert all(s >= 0 for s in spent.values()) and spent["plan"] > 0

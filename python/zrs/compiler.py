@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import hashlib
+import time
 from pathlib import Path
 from typing import Any
 
@@ -98,8 +99,10 @@ def schedule_context(state: ZeroState) -> ScheduleContext:
         source = "the planner's default (the greedy schedule's peak)"
     profile = state.profile and state.scheduler != "none"
     if profile and not state.cost_measured and state.group is not None and state.world_size > 1:
+        t0 = time.perf_counter()
         state.cost_model = measure_collectives(state.group, state.device)
         state.cost_measured = True
+        state.compile_s["sweep"] = time.perf_counter() - t0
     return ScheduleContext(
         scheduler=state.scheduler,
         budget=budget,
@@ -123,16 +126,24 @@ def _lower(
     keep: bool,
     ctx: ScheduleContext,
 ) -> None:
+    t0 = time.perf_counter()
     lowered = lower_zero3(graph, graph_id, is_backward=is_backward)
     for ds_id, n in lowered.uses.items():
         state.registry.set_uses(graph_id, handle(ds_id).local_id, n)
+    t1 = time.perf_counter()
     scheduled = schedule_graph(graph, graph_id, is_backward=is_backward, ctx=ctx)
+    t2 = time.perf_counter()
     if keep and state.keep_for_backward:
         budget_left = None  # the automatic budget's allowance is the prefetch's (passes/keep.py)
         if state.memory_budget is not None:
             peak = scheduled.plan["peak_bytes"] if scheduled is not None else state.memory_budget
             budget_left = state.memory_budget - peak
         keep_for_backward(graph, keep_allowance(graph, budget_left))
+    spent = {"lower": t1 - t0, "keep": time.perf_counter() - t2}
+    if scheduled is not None:
+        spent |= {"profile": scheduled.profile_s, "plan": scheduled.plan_s}
+    for phase, seconds in spent.items():
+        state.compile_s[phase] = state.compile_s.get(phase, 0.0) + seconds
 
 
 def make_backend(state: ZeroState, backend: str):

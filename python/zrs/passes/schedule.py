@@ -66,6 +66,7 @@ import json
 import math
 import operator
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,6 +163,8 @@ class Scheduled:
     ir: dict[str, Any]
     plan: dict[str, Any] | None
     prefetches: list[list[int]]  # ds_ids of each inserted prefetch_params_fused
+    profile_s: float = 0.0  # wall seconds spent timing the graph's compute (zrs.profile)
+    plan_s: float = 0.0  # wall seconds spent building the IR, planning and applying the plan
 
 
 # --- sizes -------------------------------------------------------------------------------------
@@ -629,7 +632,9 @@ def schedule_graph(
     if ctx.scheduler == "none":
         return None
     what = graph_label(graph_id, is_backward)
+    t0 = time.perf_counter()
     durations = profile_graph(graph, torch.device(ctx.device), ctx.group) if ctx.profile else None
+    t1 = time.perf_counter()
     ir, nodes = build_ir(
         graph,
         device_type=ctx.device_type,
@@ -648,7 +653,13 @@ def schedule_graph(
     prefetches = apply_plan(graph, nodes, p["order"], p["groups"], graph_id)
     if trace:
         _write_trace(ir, p, budget, ctx, graph_id, is_backward)
-    return Scheduled(ir=ir, plan=p, prefetches=prefetches)
+    return Scheduled(
+        ir=ir,
+        plan=p,
+        prefetches=prefetches,
+        profile_s=t1 - t0,
+        plan_s=time.perf_counter() - t1,
+    )
 
 
 # --- the budget --------------------------------------------------------------------------------

@@ -57,7 +57,8 @@ class ZeroPartitioner(CustomPartitionerFn):
 PARTITIONER = ZeroPartitioner()
 
 # (graph_id, is_backward, keep, lower, schedule context) of the graph inductor is compiling
-# right now; keep: a training forward that keeps its last gathered parameters for the backward.
+# right now; keep: a training forward of a keep_for_backward model, which keeps its last gathered
+# parameters for the backward (in the FX cache key with the rest).
 _CURRENT: contextvars.ContextVar[tuple[int, bool, bool, Any, ScheduleContext]] = (
     contextvars.ContextVar("zrs_current")
 )
@@ -133,7 +134,7 @@ def _lower(
     t1 = time.perf_counter()
     scheduled = schedule_graph(graph, graph_id, is_backward=is_backward, ctx=ctx)
     t2 = time.perf_counter()
-    if keep and state.keep_for_backward:
+    if keep:
         budget_left = None  # the automatic budget's allowance is the prefetch's (passes/keep.py)
         if state.memory_budget is not None:
             peak = scheduled.plan["peak_bytes"] if scheduled is not None else state.memory_budget
@@ -155,10 +156,11 @@ def make_backend(state: ZeroState, backend: str):
         lower = functools.partial(_lower, state, graph_id)
         # A cache hit would skip the partitioner, the rank check and the zero3 pass.
         context = functools.partial(schedule_context, state)
+        keeps = state.keep_for_backward
         with torch._functorch.config.patch(enable_autograd_cache=False):
             if backend == "inductor":
-                return _inductor(gm, example_inputs, graph_id, check, lower, context)
-            return _eager(gm, example_inputs, check, lower, context)
+                return _inductor(gm, example_inputs, graph_id, check, lower, context, keeps)
+            return _eager(gm, example_inputs, check, lower, context, keeps)
 
     return zrs_backend
 
@@ -169,19 +171,21 @@ def make_backend(state: ZeroState, backend: str):
 SAME_ON_EVERY_RANK: dict[str, Any] = {"shape_padding": False}
 
 
-def _inductor(gm: fx.GraphModule, example_inputs: list[Any], graph_id: int, check, lower, context):
+def _inductor(
+    gm: fx.GraphModule, example_inputs: list[Any], graph_id: int, check, lower, context, keeps
+):
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def inner(gm: fx.GraphModule, inputs: list[Any], **kwargs: Any):
         is_backward = bool(kwargs.get("is_backward", False))
-        keep = not is_backward and not kwargs.get("is_inference", False)
+        keep = keeps and not is_backward and not kwargs.get("is_inference", False)
         check(gm.graph, is_backward)  # before inductor's cache lookup: every rank runs it
         ctx = context()  # likewise (the CUDA budget is a collective)
         patches: dict[str, Any] = {"post_grad_custom_post_pass": LOWERING, **SAME_ON_EVERY_RANK}
         if ctx.scheduler != "none":
-            # Its topological sorts would undo the plan: a prefetch has no data edge to the
-            # gathers that consume it.
+            # Its topological sorts would undo the plan: how far a prefetch runs ahead of the
+            # compute that needs it is no data dependency.
             patches["reorder_for_peak_memory"] = False
         if ctx.profile and ctx.world > 1:
             # The profile inside the pass is exchanged between ranks: a cache hit on one rank
@@ -199,7 +203,7 @@ def _inductor(gm: fx.GraphModule, example_inputs: list[Any], graph_id: int, chec
         return compile_fx(gm, example_inputs, inner_compile=inner)
 
 
-def _eager(gm: fx.GraphModule, example_inputs: list[Any], check, lower, context):
+def _eager(gm: fx.GraphModule, example_inputs: list[Any], check, lower, context, keeps):
     def compiler(is_backward: bool, keep: bool):
         def run(gm: fx.GraphModule, inputs: list[Any]):
             check(gm.graph, is_backward)
@@ -210,7 +214,7 @@ def _eager(gm: fx.GraphModule, example_inputs: list[Any], check, lower, context)
         return run
 
     return aot_autograd(
-        fw_compiler=compiler(False, keep=True),
+        fw_compiler=compiler(False, keep=keeps),
         bw_compiler=compiler(True, keep=False),
         inference_compiler=compiler(False, keep=False),
         partition_fn=PARTITIONER,

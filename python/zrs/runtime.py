@@ -227,6 +227,11 @@ _PREFETCHED: set[int] = set()  # gathered by prefetch_params_fused, holder not y
 _SHAPED: dict[int, torch.Tensor] = {}  # ds_id -> the parameter's view of its buffer
 
 
+def _set_buffer(h: ParamHandle, buf: torch.Tensor) -> None:
+    _BUFFERS[h.ds_id] = buf
+    _SHAPED[h.ds_id] = buf.narrow(0, 0, h.numel).view(h.shape)
+
+
 def _shaped(h: ParamHandle) -> torch.Tensor:
     # A fresh view of a view made when the buffer was allocated: `view` needs no storage, so it
     # also works while a fused gather holds the buffer's storage back (narrow would not).
@@ -257,9 +262,7 @@ def issue_gather(
         raise ZrsError("a fused prefetch group mixes gather dtypes; the planner must split it")
     # The gathered buffers are read by the compute stream: allocated on it (zrs.streams).
     for h, _, _ in todo:
-        buf = torch.empty(h.padded_numel, dtype=dtype, device=device)
-        _BUFFERS[h.ds_id] = buf
-        _SHAPED[h.ds_id] = buf.narrow(0, 0, h.numel).view(h.shape)
+        _set_buffer(h, torch.empty(h.padded_numel, dtype=dtype, device=device))
     side = streams.side_stream(device, "gather")
     if side is None:
         if len(todo) > 1:
@@ -359,9 +362,7 @@ def _keep(h: ParamHandle) -> None:
         # Inductor may reuse a buffer that it sees dead for the output of a later kernel of the
         # same graph: the copy kept for the backward must be one the graph never saw. A device
         # copy (~0.1 ms for a 1b model's head and last layer) against a gather over the link.
-        buf = _BUFFERS[h.ds_id].clone()
-        _BUFFERS[h.ds_id] = buf
-        _SHAPED[h.ds_id] = buf.narrow(0, 0, h.numel).view(h.shape)
+        _set_buffer(h, _BUFFERS[h.ds_id].clone())
     _KEPT[h.ds_id] = h.shard._version
 
 

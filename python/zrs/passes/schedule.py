@@ -40,9 +40,10 @@ Runs right after the zero3 pass (``passes.zero3``), on the lowered forward or ba
    ``allgather_param``. The members' ``allgather_param`` nodes stay where the plan puts them and
    take their buffer from the prefetch; each takes the prefetch's (empty) output as its
    ``prefetched`` argument, a data edge without which inductor scheduled a prefetch after one of
-   its members (the member then gathered alone and the prefetch's claim on it leaked). With ``backend="inductor"`` the compiler turns inductor's
-   peak-memory reordering off, which would otherwise move a prefetch (it has no data edge to its
-   members) after them.
+   its members (the member then gathered alone and the prefetch's claim on it leaked). With
+   ``backend="inductor"`` the compiler turns inductor's peak-memory reordering off: the plan's
+   prefetch positions (how far ahead of their members' compute) are no data dependency, and its
+   topological sorts would move them.
 
 Rank agreement: every input of the planner comes from the graph (meta shapes, constants), the
 options and the world size; symbolic sizes count as a fixed ``SYMBOLIC_DIM``, not their hint. Both

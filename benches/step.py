@@ -519,7 +519,7 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
 
 
 TRACE_STEPS = 3
-TRACE_TOP = 12
+TRACE_TOP = 20
 
 
 def profile_steps(system: str, ctx: Ctx, built: Built, batches: list, start: int) -> dict:

@@ -11,7 +11,13 @@ number of steps in it):
   slower rank, not only transfer;
 * ``idle_ms``: no kernel at all (the GPU waits for the CPU: launch overhead, host syncs, Python);
 * ``streams``: busy milliseconds per CUDA stream, and the longest idle gaps on the stream that
-  runs the most compute, with the name of the kernel that ended each gap.
+  runs the most compute, with the name of the kernel that ended each gap;
+* ``kernel_groups_ms``: summed kernel time per kind (matmul, attention, Triton, zrs's copy kernel,
+  all-gather, reduce-scatter, ...), to compare two systems' compute kernel by kind.
+
+``--compact DIR`` also writes each trace's GPU events alone (name, start, duration, stream) as
+gzipped JSON: a 7b trace is hundreds of MB, its kernels a few MB, small enough to bring back from
+the device machine and study there.
 
 The numbers are per step. ``step.py --trace`` puts this summary into its JSON record.
 """
@@ -28,6 +34,26 @@ from typing import Any
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 TOP_GAPS = 5
+# Kernel kinds by name, first match wins. Matmuls on Hopper are nvjet/cutlass/xmma kernels.
+KERNEL_GROUPS = (
+    ("all_gather", ("ncclDevKernel_AllGather", "ncclKernel_AllGather")),
+    ("reduce_scatter", ("ncclDevKernel_ReduceScatter", "ncclKernel_ReduceScatter")),
+    ("nccl_other", ("nccl",)),
+    ("zrs_copy", ("seg_copy_kernel",)),
+    ("attention", ("flash", "fmha", "attn")),
+    ("matmul", ("nvjet", "gemm", "cutlass", "xmma", "sm90_")),
+    ("optimizer", ("multi_tensor_apply", "fused_adam", "FusedAdam")),
+    ("triton", ("triton_",)),
+    ("memcpy", ("Memcpy", "memcpy")),
+    ("memset", ("Memset", "memset")),
+)
+
+
+def kernel_group(name: str) -> str:
+    for group, needles in KERNEL_GROUPS:
+        if any(n in name for n in needles):
+            return group
+    return "other"
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -103,6 +129,9 @@ def summarize(events: list[dict[str, Any]], steps: int) -> dict[str, Any]:
         if gap > 0:
             gaps.append((gap, prev["name"][:60], nxt["name"][:60]))
     gaps.sort(reverse=True)
+    groups: dict[str, float] = defaultdict(float)
+    for e in kernels:
+        groups[kernel_group(e["name"])] += float(e["dur"])
     return {
         "window_ms": round((end - start) / per, 3),
         "compute_ms": round(_length(compute_u) / per, 3),
@@ -112,19 +141,47 @@ def summarize(events: list[dict[str, Any]], steps: int) -> dict[str, Any]:
         "main_stream": str(main_sid),
         "main_stream_gaps_ms": round(sum(g for g, _, _ in gaps) / per, 3),
         "streams_busy_ms": streams,
+        "kernel_groups_ms": {
+            g: round(t / per, 3) for g, t in sorted(groups.items(), key=lambda kv: -kv[1])
+        },
         "top_gaps": [
             {"ms": round(g / 1e3, 3), "after": a, "before": b} for g, a, b in gaps[:TOP_GAPS]
         ],
     }
 
 
+def gpu_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The trace's GPU events alone, in the Chrome format (loadable by ``load`` and Perfetto)."""
+    return [
+        {
+            "ph": "X",
+            "cat": e["cat"],
+            "name": e["name"],
+            "ts": e["ts"],
+            "dur": e["dur"],
+            "pid": e.get("pid", 0),
+            "tid": e.get("tid", 0),
+            "args": {"stream": e.get("args", {}).get("stream", e.get("tid"))},
+        }
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("traces", nargs="+", type=Path)
     ap.add_argument("--steps", type=int, default=3, help="steps in each trace (step.py: 3)")
+    ap.add_argument("--compact", type=Path, metavar="DIR", help="write GPU-only traces here")
     args = ap.parse_args()
     for path in args.traces:
-        print(json.dumps({"trace": str(path), **summarize(load(path), args.steps)}))
+        events = load(path)
+        print(json.dumps({"trace": str(path), **summarize(events, args.steps)}))
+        if args.compact is not None:
+            args.compact.mkdir(parents=True, exist_ok=True)
+            name = path.name.removesuffix(".gz").removesuffix(".json") + ".gpu.json.gz"
+            with gzip.open(args.compact / name, "wt") as fh:
+                json.dump({"traceEvents": gpu_events(events)}, fh)
 
 
 if __name__ == "__main__":

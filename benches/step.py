@@ -148,6 +148,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="zrs.compile scheduler (default search)",
     )
     p.add_argument(
+        "--zrs-shared-reduce-communicator",
+        action="store_true",
+        help="zrs.compile(separate_reduce_communicator=False): gathers and reduce-scatters on "
+        "one NCCL communicator",
+    )
+    p.add_argument(
         "--compile-backend",
         default="inductor",
         help="torch.compile backend of single and fsdp2_compile (default inductor; aot_eager "
@@ -288,6 +294,7 @@ def build_zrs(ctx: Ctx) -> Built:
         reduce_dtype=ctx.reduce_dtype,
         backend=ctx.args.zrs_backend,
         scheduler=ctx.args.zrs_scheduler,
+        separate_reduce_communicator=not ctx.args.zrs_shared_reduce_communicator,
     )
     opt = adamw(model.parameters(), ctx)
     return Built(
@@ -501,6 +508,9 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
     if system == "zrs":
         record["zrs_backend"] = args.zrs_backend
         record["zrs_scheduler"] = args.zrs_scheduler
+        record["zrs_reduce_communicator"] = (
+            "shared" if args.zrs_shared_reduce_communicator else "separate"
+        )
         # zrs's own share of the warm-up (this rank's; dynamo, inductor and the kernel build
         # are the rest).
         state = built.keep[0]._zrs_state

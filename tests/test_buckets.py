@@ -1,6 +1,7 @@
-"""Gradient buckets: many small buckets, gradients larger than a bucket, a partly filled last
-bucket and the bound on reduce-scatters in flight, against the unsharded reference on 2 and 3
-ranks (the correctness zoo fits every model's gradients into one bucket)."""
+"""Gradient buckets: many small buckets, gradients larger than a bucket, buckets the compiler
+planned (reduced full) and unplanned ones (reduced partly filled), and the bound on
+reduce-scatters in flight, against the unsharded reference on 2 and 3 ranks (the correctness zoo
+fits every model's gradients into one bucket)."""
 
 from __future__ import annotations
 
@@ -12,42 +13,71 @@ from zoo import LR, MOMENTUM, STEPS, ZOO, compare_params, train_reference
 
 RTOL, ATOL = 1e-5, 1e-6
 MODEL = "gpt_tied"
-BUCKET_NUMEL = 7  # elements per rank: most gradients span several buckets' worth
+BUCKET_NUMEL = 40  # elements per rank: a weight's gradient exceeds it, biases and norms share one
 
 
-def _train_small_buckets(rank: int, world: int, backend: str) -> dict:
+def _train_small_buckets(
+    rank: int, world: int, backend: str, planned: bool, separate_comm: bool = True
+) -> dict:
     import zrs
-    from zrs import runtime
+    from zrs import compiler, runtime
 
     runtime.GRAD_BUCKET_NUMEL = BUCKET_NUMEL
+    if not planned:  # every gradient reaches the runtime without its bucket's size
+        compiler.plan_grad_buckets = lambda graph: []
     in_flight: list[int] = []
+    fills: list[tuple[int, int]] = []  # (elements used, capacity) of each reduced bucket
     flush = runtime._flush
 
     def spy(key):
+        bucket = runtime._BUCKETS[key]
+        fills.append((bucket.used, bucket.buf.size(1)))
         flush(key)
         in_flight.append(len(runtime._REDUCING))
 
     runtime._flush = spy
     spec = ZOO[MODEL]
-    model = zrs.compile(spec.build(), backend=backend)
+    model = zrs.compile(spec.build(), backend=backend, separate_reduce_communicator=separate_comm)
+    state = model._zrs_state
+    assert (state.reduce_group is state.group) != separate_comm
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
         spec.loss(model, spec.batch(rank, step)).backward()
         opt.step()
     state = zrs.full_state_dict(model)
-    return {"state": {k: v.detach().clone() for k, v in state.items()}, "in_flight": in_flight}
+    return {
+        "state": {k: v.detach().clone() for k, v in state.items()},
+        "in_flight": in_flight,
+        "fills": fills,
+    }
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_small_buckets_train_like_unsharded(world: int) -> None:
-    per_rank = run_workers(_train_small_buckets, world, "eager")
+@pytest.mark.parametrize(
+    ("world", "backend", "planned", "separate_comm"),
+    [
+        (2, "eager", True, True),
+        (3, "eager", True, True),
+        (2, "inductor", True, True),
+        (3, "eager", False, True),
+        (3, "eager", True, False),  # gathers and reduce-scatters share one communicator
+    ],
+)
+def test_small_buckets_train_like_unsharded(
+    world: int, backend: str, planned: bool, separate_comm: bool
+) -> None:
+    per_rank = run_workers(_train_small_buckets, world, backend, planned, separate_comm)
     ref = train_reference(ZOO[MODEL], world)
     for rank, r in enumerate(per_rank):
         problems = compare_params(r["state"], ref.final, rtol=RTOL, atol=ATOL)
         assert not problems, (rank, problems)
         assert len(r["in_flight"]) > 3 * STEPS, "several buckets per backward"
         assert max(r["in_flight"]) <= 2, "at most two reduce-scatters in flight"
+        partial = [f for f in r["fills"] if f[0] < f[1]]
+        if planned:  # sized by the compiler: each bucket is reduced full, with no packing copy
+            assert not partial, partial
+        else:  # filled on the fly: the next gradient often does not fit
+            assert partial
 
 
 def test_gradients_accumulate_over_micro_batches(monkeypatch) -> None:

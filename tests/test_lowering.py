@@ -41,9 +41,9 @@ def lowered(monkeypatch):
         graphs["bw" if is_backward else "fw"] = graph
         return out
 
-    def spy_reduce(grad, ds_id):
+    def spy_reduce(grad, ds_id, bucket_numel=0):
         reduced.append(ds_id)
-        reduce_grad(grad, ds_id)
+        reduce_grad(grad, ds_id, bucket_numel)
 
     monkeypatch.setattr(compiler, "lower_zero3", spy_lower)
     monkeypatch.setattr(runtime, "reduce_grad", spy_reduce)
@@ -68,6 +68,10 @@ def test_both_graphs_are_lowered(lowered, backend, param_dtype):
     trainable = [h.ds_id for h in model._zrs_state.handles if h.shard.requires_grad]
     assert _count(bw, OPS.reduce_grad) == len(trainable) and _count(bw, OPS.end_backward) == 1
     assert sorted(reduced) == sorted(trainable), "every trainable gradient went to reduce_grad"
+    # One world: every gradient fits one planned bucket, sized to all of them together.
+    reduces = bw.find_nodes(op="call_function", target=OPS.reduce_grad.default)
+    sizes = {n.kwargs["bucket_numel"] for n in reduces}
+    assert sizes == {sum(h.shard_numel for h in model._zrs_state.handles if h.shard.requires_grad)}
     if param_dtype is not None:  # fused downcast: gathered straight in bf16
         dtypes = {
             n.kwargs["dtype"]

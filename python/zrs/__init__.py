@@ -75,6 +75,7 @@ def compile(
     trace_dir: str | os.PathLike | None = None,
     profile: bool = True,
     keep_for_backward: bool = True,
+    separate_reduce_communicator: bool = True,
 ) -> nn.Module:
     """Shard `model` across the process group and compile it with the zrs ZeRO-3 backend.
 
@@ -113,6 +114,10 @@ def compile(
             instead of releasing them and gathering them again at once. It keeps at most two of
             the graph's largest gathers, within memory_budget when one is given. False releases
             every parameter at its last forward use (the least memory at the forward's end).
+        separate_reduce_communicator: run the gradient reduce-scatters on a second communicator
+            over the same ranks, so that they need not queue behind the all-gathers prefetched
+            before them (NCCL runs one communicator's collectives in issue order). False: one
+            communicator for both, which then never run at the same time.
 
     Returns the same model object, sharded and compiled in place.
     """
@@ -137,7 +142,7 @@ def compile(
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype or torch.float32,
         registry=Registry(world),
-        reduce_group=runtime.reduce_group_of(group),
+        reduce_group=runtime.reduce_group_of(group) if separate_reduce_communicator else group,
         free_on_release=backend == "eager",
         scheduler=scheduler,
         memory_budget=memory_budget,

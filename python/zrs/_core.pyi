@@ -109,6 +109,11 @@ def kept_for_backward(releases: Sequence[tuple[int, int]], allowance: int) -> li
     its last releases, ``(ds_id, gathered bytes)`` in execution order, within ``allowance`` bytes
     (a parameter counts at its last release). Returned in release order."""
 
+def grad_buckets(numels: Sequence[int], capacity: int) -> list[int]:
+    """The per-rank elements of the bucket each gradient goes to, given the gradients' per-rank
+    shard elements in the backward's order: consecutive gradients share a bucket while their sum
+    stays within ``capacity``; a larger gradient gets one of its own."""
+
 def synthetic_graph(n_nodes: int = 0, preset: str = "1b", world: int = 2) -> str:
     """A synthetic transformer training graph (planner IR JSON) of about ``n_nodes`` nodes."""
 

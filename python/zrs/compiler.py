@@ -27,6 +27,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn
 
 from zrs.passes.consistency import check_same_graph
+from zrs.passes.grad_buckets import plan_grad_buckets
 from zrs.passes.keep import keep_allowance, keep_for_backward
 from zrs.passes.recompute import tag_gathers_for_recompute
 from zrs.passes.schedule import ScheduleContext, device_budget, graph_label, schedule_graph
@@ -75,7 +76,7 @@ class ZeroLowering(CustomGraphPass):
         # graph_id and the schedule options are not in the graph before this pass runs, so they
         # must be in the cache key.
         graph_id, is_backward, keep, _, ctx = _CURRENT.get()
-        source = _source_hash("zero3.py", "_nodes.py", "schedule.py", "keep.py")
+        source = _source_hash("zero3.py", "_nodes.py", "schedule.py", "keep.py", "grad_buckets.py")
         return f"{source}:{graph_id}:{int(is_backward)}:{int(keep)}:{ctx.key()}"
 
 
@@ -140,6 +141,8 @@ def _lower(
             peak = scheduled.plan["peak_bytes"] if scheduled is not None else state.memory_budget
             budget_left = state.memory_budget - peak
         keep_for_backward(graph, keep_allowance(graph, budget_left))
+    if is_backward:
+        plan_grad_buckets(graph)  # after the schedule: its order of gradients fills the buckets
     spent = {"lower": t1 - t0, "keep": time.perf_counter() - t2}
     if scheduled is not None:
         spent |= {"profile": scheduled.profile_s, "plan": scheduled.plan_s}

@@ -37,7 +37,7 @@ SCHEMAS = {
         "prefetch_params_fused(int graph_id, Tensor[] shards, int[] ds_ids, "
         "ScalarType[]? dtypes=None) -> Tensor"
     ),
-    "reduce_grad": "reduce_grad(Tensor grad, int graph_id, int ds_id) -> ()",
+    "reduce_grad": "reduce_grad(Tensor grad, int graph_id, int ds_id, int bucket_numel=0) -> ()",
     "end_backward": "end_backward(int graph_id) -> ()",
 }
 for _schema in SCHEMAS.values():
@@ -167,12 +167,12 @@ def _prefetch_params_fused_fake(graph_id, shards, ds_ids, dtypes=None):
 
 
 @_impl("reduce_grad")
-def _reduce_grad(grad, graph_id, ds_id):
-    runtime.reduce_grad(grad, ds_id)
+def _reduce_grad(grad, graph_id, ds_id, bucket_numel=0):
+    runtime.reduce_grad(grad, ds_id, bucket_numel)
 
 
 @_fake("reduce_grad")
-def _reduce_grad_fake(grad, graph_id, ds_id):
+def _reduce_grad_fake(grad, graph_id, ds_id, bucket_numel=0):
     return None
 
 

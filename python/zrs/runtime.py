@@ -431,7 +431,10 @@ _callback_queued = False
 MAX_IN_FLIGHT_REDUCES = 2
 
 
-def reduce_grad(grad: torch.Tensor, ds_id: int) -> None:
+def reduce_grad(grad: torch.Tensor, ds_id: int, bucket_numel: int = 0) -> None:
+    """Pack one gradient into its bucket; reduce-scatter the bucket once full. `bucket_numel`:
+    the per-rank size of the bucket the compiler planned for it (passes/grad_buckets.py), 0 if
+    unplanned (the bucket then holds up to GRAD_BUCKET_NUMEL)."""
     h = handle(ds_id)
     state = h.state
     key = (id(state), state.reduce_dtype)
@@ -440,7 +443,7 @@ def reduce_grad(grad: torch.Tensor, ds_id: int) -> None:
         _flush(key)
         bucket = None
     if bucket is None:
-        cap = max(GRAD_BUCKET_NUMEL, h.shard_numel)
+        cap = max(bucket_numel or GRAD_BUCKET_NUMEL, h.shard_numel)
         buf = torch.empty(state.world_size, cap, dtype=state.reduce_dtype, device=grad.device)
         bucket = _BUCKETS[key] = _Bucket(state, buf)
     # Pack now (pre-divided, cast, zero padding): once this op returns, the compiled graph may
@@ -461,7 +464,9 @@ def _flush(key: tuple[int, torch.dtype]) -> None:
     state, dtype = bucket.state, key[1]
     packed = bucket.buf
     if bucket.used < packed.size(1):
-        packed = packed.narrow(1, 0, bucket.used).contiguous()  # a partly filled last bucket
+        # Partly filled (unplanned gradients, or a plan the calls did not follow): the rows are
+        # strided and the collective needs them packed, a copy of the whole bucket.
+        packed = packed.narrow(1, 0, bucket.used).contiguous()
     out = torch.empty(bucket.used, dtype=dtype, device=packed.device)
     side = streams.side_stream(packed.device, "reduce")
     if side is None:

@@ -84,7 +84,15 @@ fn kept_for_backward(releases: Vec<(usize, u64)>, allowance: u64) -> Vec<usize> 
     plan::keep::kept_for_backward(&releases, allowance)
 }
 
+/// The per-rank elements of each gradient's bucket (`plan::grad_buckets`): the gradients'
+/// per-rank shard elements in the backward's order, and a bucket's capacity.
+#[pyfunction]
+fn grad_buckets(numels: Vec<u64>, capacity: u64) -> Vec<u64> {
+    plan::grad_buckets::grad_buckets(&numels, capacity)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(grad_buckets, m)?)?;
     m.add_function(wrap_pyfunction!(kept_for_backward, m)?)?;
     m.add_function(wrap_pyfunction!(plan_graph, m)?)?;
     m.add_function(wrap_pyfunction!(compare_plans, m)?)?;

@@ -8,12 +8,14 @@
 //! - [`search`]: budget-aware list scheduling plus a simulator-scored search; never worse.
 //! - [`buckets`]: fused prefetch buckets from the comm model.
 //! - [`keep`]: which gathered parameters a forward keeps for its backward.
+//! - [`grad_buckets`]: which consecutive gradients share one reduce-scatter.
 //! - [`synth`]: synthetic transformer graphs; [`trace`]: Chrome trace and memory series.
 //!
 //! One call plans one graph: [`plan`] (Rust) or [`plan_json`] (the JSON boundary used by Python).
 
 pub mod buckets;
 pub mod cost;
+pub mod grad_buckets;
 pub mod graph;
 pub mod greedy;
 pub mod keep;

@@ -103,8 +103,9 @@ run() {  # run SYSTEM TAG NPROC COLD
     [[ $system == zrs ]] && env_vars+=(TORCH_EXTENSIONS_DIR="$cache/torch_extensions")
     local -a cmd=(torchrun --standalone --nproc-per-node "$nproc" benches/step.py
         --preset "$PRESET" --systems "$system" --tag "$tag" --out "$RESULTS" "${EXTRA[@]}")
-    local shown
-    shown="${tag:+NCCL_P2P_DISABLE=1 }$(printf '%q ' "${cmd[@]}")"
+    local shown p2p=""
+    [[ $tag == nop2p* ]] && p2p="NCCL_P2P_DISABLE=1 "
+    shown="$p2p$(printf '%q ' "${cmd[@]}")"
     shown=${shown% }
     log="$LOG_DIR/${PRESET}_${system}_${tag:-nvlink}_${nproc}.log"
     echo "=== $shown  (log: $log)"

@@ -515,6 +515,9 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
         # are the rest).
         state = built.keep[0]._zrs_state
         record["zrs_compile_s"] = {k: round(v, 2) for k, v in sorted(state.compile_s.items())}
+        # The collectives' latency and bandwidth the planner fitted (None: not measured), to
+        # replay its plans in the simulator later (benches/scale_sim.py) without a device.
+        record["zrs_cost_model"] = state.cost_model
     elif system in ("single", "fsdp2_compile"):
         record["compile_backend"] = args.compile_backend
     record.update(built.versions or {})

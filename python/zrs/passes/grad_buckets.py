@@ -8,8 +8,8 @@ at 7b on 4xH200 that copy cost 22.7 ms per step, more than packing the gradients
 from the graph's order of gradients after scheduling (`zrs._core.grad_buckets`), every
 `reduce_grad` carries its bucket's exact size (`bucket_numel`) and the runtime allocates each
 bucket at that size, so it is reduced full, without a copy. The graph alone decides, so every
-rank plans the same buckets. Gradients that reach the runtime unplanned (eager hooks) still fill
-buckets of `runtime.GRAD_BUCKET_NUMEL`.
+rank plans the same buckets. A `reduce_grad` without a planned size (`bucket_numel=0`) still
+fills a bucket of `runtime.GRAD_BUCKET_NUMEL`, reduced partly full if need be.
 """
 
 from __future__ import annotations

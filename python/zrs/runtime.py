@@ -20,10 +20,11 @@ from zrs._core import Registry, ZrsError
 from zrs.exchange import keep_alive
 
 # Gradient buckets hold at most this many elements (per rank, all shards together); the
-# compiler plans each backward's buckets within it (passes/grad_buckets.py). 16M: about one 1b-preset layer per bucket. Each reduce-scatter costs
-# ~0.1-0.15 ms of CPU to issue (2xH200 profile); at 4M every large gradient of the 1b model
-# was its own bucket, 115 reduce-scatters per step. Memory: (world x 16M) x reduce dtype
-# per bucket, at most MAX_IN_FLIGHT_REDUCES + 1 buckets alive.
+# compiler plans each backward's buckets within it (passes/grad_buckets.py). 16M: about one
+# 1b-preset layer per bucket. Each reduce-scatter costs ~0.1-0.15 ms of CPU to issue (2xH200
+# profile); at 4M every large gradient of the 1b model was its own bucket, 115 reduce-scatters
+# per step. Memory: (world x 16M) x reduce dtype per bucket, at most MAX_IN_FLIGHT_REDUCES + 1
+# buckets alive.
 GRAD_BUCKET_NUMEL = 1 << 24
 
 

@@ -49,6 +49,11 @@ KERNEL_GROUPS = (
 )
 
 
+def is_gpu_event(e: dict[str, Any]) -> bool:
+    """A kernel, copy or memset on the device (a complete "X" event of a GPU category)."""
+    return e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES
+
+
 def kernel_group(name: str) -> str:
     for group, needles in KERNEL_GROUPS:
         if any(n in name for n in needles):
@@ -93,11 +98,7 @@ def load(path: Path) -> list[dict[str, Any]]:
 
 
 def summarize(events: list[dict[str, Any]], steps: int) -> dict[str, Any]:
-    kernels = [
-        e
-        for e in events
-        if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES and e.get("dur", 0) > 0
-    ]
+    kernels = [e for e in events if is_gpu_event(e) and e.get("dur", 0) > 0]
     if not kernels:
         return {"error": "no GPU events in the trace (CPU run?)"}
     comm, compute = [], []
@@ -164,7 +165,7 @@ def gpu_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "args": {"stream": e.get("args", {}).get("stream", e.get("tid"))},
         }
         for e in events
-        if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES
+        if is_gpu_event(e)
     ]
 
 

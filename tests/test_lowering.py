@@ -106,3 +106,4 @@ def test_the_compile_time_of_each_zrs_phase_is_recorded(lowered):
     spent = model._zrs_state.compile_s
     assert {"lower", "profile", "plan", "keep"} <= spent.keys()
     assert all(s >= 0 for s in spent.values()) and spent["plan"] > 0
+    assert "buckets" in spent  # the gradient buckets' planning, not counted under "keep"

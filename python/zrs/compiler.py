@@ -141,9 +141,10 @@ def _lower(
             peak = scheduled.plan["peak_bytes"] if scheduled is not None else state.memory_budget
             budget_left = state.memory_budget - peak
         keep_for_backward(graph, keep_allowance(graph, budget_left))
+    t3 = time.perf_counter()
     if is_backward:
         plan_grad_buckets(graph)  # after the schedule: its order of gradients fills the buckets
-    spent = {"lower": t1 - t0, "keep": time.perf_counter() - t2}
+    spent = {"lower": t1 - t0, "keep": t3 - t2, "buckets": time.perf_counter() - t3}
     if scheduled is not None:
         spent |= {"profile": scheduled.profile_s, "plan": scheduled.plan_s}
     for phase, seconds in spent.items():

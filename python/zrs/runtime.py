@@ -62,7 +62,7 @@ class ZeroState:
     cost_model: dict | None = None
     cost_measured: bool = False
     # Wall seconds of zrs's own compile work, summed over graphs (compiler): "lower", "profile",
-    # "plan", "keep", and the collective "sweep"; dynamo and inductor take the rest.
+    # "plan", "keep", "buckets" and the collective "sweep"; dynamo and inductor take the rest.
     compile_s: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

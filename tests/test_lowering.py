@@ -9,6 +9,7 @@ from torch._inductor import config as inductor_config
 
 import zrs
 from zrs import compiler, runtime
+from zrs.passes._nodes import cast_dtype
 
 OPS = torch.ops.zrs
 
@@ -33,7 +34,7 @@ def _count(graph: fx.Graph, op) -> int:
 @pytest.fixture
 def lowered(monkeypatch):
     graphs: dict[str, fx.Graph] = {}
-    reduced: list[int] = []
+    reduced: list[tuple[int, torch.dtype]] = []
     lower, reduce_grad = compiler.lower_zero3, runtime.reduce_grad
 
     def spy_lower(graph, graph_id, *, is_backward):
@@ -42,7 +43,7 @@ def lowered(monkeypatch):
         return out
 
     def spy_reduce(grad, ds_id, bucket_numel=0):
-        reduced.append(ds_id)
+        reduced.append((ds_id, grad.dtype))
         reduce_grad(grad, ds_id, bucket_numel)
 
     monkeypatch.setattr(compiler, "lower_zero3", spy_lower)
@@ -67,9 +68,16 @@ def test_both_graphs_are_lowered(lowered, backend, param_dtype):
     assert _count(fw, OPS.allgather_param) == 8  # every parameter, frozen ones too
     trainable = [h.ds_id for h in model._zrs_state.handles if h.shard.requires_grad]
     assert _count(bw, OPS.reduce_grad) == len(trainable) and _count(bw, OPS.end_backward) == 1
-    assert sorted(reduced) == sorted(trainable), "every trainable gradient went to reduce_grad"
-    # One world: every gradient fits one planned bucket, sized to all of them together.
+    assert sorted(i for i, _ in reduced) == sorted(trainable), "every gradient was reduced"
+    # A gradient that autograd would upcast reaches reduce_grad before the upcast (the packing
+    # casts into the fp32 bucket): the weights' bf16 matmul gradients, not the norm's (computed
+    # in fp32). Their .grad is still fp32, below.
     reduces = bw.find_nodes(op="call_function", target=OPS.reduce_grad.default)
+    assert not [n for n in reduces if cast_dtype(n.args[0]) is not None]
+    shapes = {h.ds_id: h.shape for h in model._zrs_state.handles}
+    matrices = {d for i, d in reduced if len(shapes[i]) == 2}
+    assert matrices == {param_dtype or torch.float32}
+    # One world: every gradient fits one planned bucket, sized to all of them together.
     sizes = {n.kwargs["bucket_numel"] for n in reduces}
     assert sizes == {sum(h.shard_numel for h in model._zrs_state.handles if h.shard.requires_grad)}
     if param_dtype is not None:  # fused downcast: gathered straight in bf16
@@ -80,6 +88,7 @@ def test_both_graphs_are_lowered(lowered, backend, param_dtype):
         assert dtypes == {param_dtype}
     for h in model._zrs_state.handles:
         assert (h.shard.grad is not None) == h.shard.requires_grad
+        assert h.shard.grad is None or h.shard.grad.dtype == torch.float32
         assert model._zrs_state.registry.info(h.local_id).holders == 0, "every gather released"
 
 

@@ -117,6 +117,7 @@ def schedule_context(state: ZeroState) -> ScheduleContext:
         trace_dir=state.trace_dir,
         cost=state.cost_model,
         profile=profile,
+        reduce_dtype=state.reduce_dtype,
     )
 
 

@@ -40,9 +40,26 @@ def cast_dtype(node: fx.Node) -> torch.dtype | None:
         return None
     if node.target is CASTS[0]:
         return node.args[1]
-    if set(node.kwargs) - {"dtype"}:
-        return None  # a device move or layout change, not a plain cast
+    if set(node.kwargs) - {"dtype", "layout", "device"}:
+        return None  # e.g. a memory format change, not a plain cast
+    if node.kwargs.get("layout", torch.strided) is not torch.strided:
+        return None
+    # AOT autograd's backward of a cast names the device and layout it keeps: still a cast.
+    if "device" in node.kwargs and not _same_device(node):
+        return None  # a device move
     return node.kwargs.get("dtype")
+
+
+def _same_device(cast: fx.Node) -> bool:
+    """The device a cast names is its input's own (an index-less name matches any index)."""
+    src = val(cast.args[0]) if cast.args and isinstance(cast.args[0], fx.Node) else None
+    want = cast.kwargs["device"]
+    if want is None:
+        return True
+    if not isinstance(src, torch.Tensor):
+        return False
+    want = torch.device(want)
+    return want.type == src.device.type and want.index in (None, src.device.index)
 
 
 def alias_closure(node: fx.Node) -> list[fx.Node]:

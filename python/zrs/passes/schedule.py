@@ -139,6 +139,9 @@ class ScheduleContext:
     cost: str | dict[str, Any] | None = None
     # Time the lowered graph's compute nodes once on real tensors (`zrs.profile`) on `device`.
     profile: bool = False
+    # The gradients' reduce dtype: a reduce-scatter moves numel x this, whatever the dtype of the
+    # gradient handed to reduce_grad (the packing casts). None: the gradient's own dtype.
+    reduce_dtype: torch.dtype | None = None
 
     @property
     def device_type(self) -> str:
@@ -154,7 +157,10 @@ class ScheduleContext:
         """What the plan depends on besides the graph: part of inductor's FX cache key."""
         cost = self.collective_cost()
         cost = json.dumps(cost, sort_keys=True) if isinstance(cost, dict) else cost
-        return f"{self.scheduler}:{self.budget}:{self.world}:{self.device_type}:{cost}"
+        return (
+            f"{self.scheduler}:{self.budget}:{self.world}:{self.device_type}:{cost}"
+            f":{self.reduce_dtype}"
+        )
 
 
 @dataclass
@@ -450,6 +456,7 @@ def build_ir(
     world: int = 1,
     durations: Mapping[str, float] | None = None,
     is_backward: bool = False,
+    reduce_dtype: torch.dtype | None = None,
 ) -> tuple[dict[str, Any], list[fx.Node]]:
     """The planner IR of a lowered graph, and the FX node behind each IR index.
 
@@ -472,7 +479,9 @@ def build_ir(
         if kind == "allgather":
             spec["bytes"] = _bytes(val(n))
         elif kind == "reduce_scatter":
-            spec["bytes"] = _bytes(val(n.args[0]))
+            grad = val(n.args[0])
+            itemsize = (reduce_dtype or grad.dtype).itemsize
+            spec["bytes"] = _numel(grad) * itemsize if isinstance(grad, torch.Tensor) else 0
         elif kind == "compute":
             us = durations.get(n.name) if durations is not None else None
             spec["duration_us"] = float(us) if us is not None else estimate_us(n, device_type)
@@ -642,6 +651,7 @@ def schedule_graph(
         world=ctx.world,
         durations=durations,
         is_backward=is_backward,
+        reduce_dtype=ctx.reduce_dtype,
     )
     trace = bool(ctx.trace_dir) and ctx.rank == 0
     try:

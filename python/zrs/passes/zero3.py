@@ -9,7 +9,10 @@ annotations of the lowered ops are legal):
 * a gather whose only user is a downcast gathers in the smaller dtype (fused downcast);
 * each parameter gradient (`gather_grad`, or a sum of them for a parameter used several times)
   goes to `reduce_grad`, right where it is complete, and `end_backward` flushes the buckets. The
-  graph then returns None for that shard: the runtime accumulates into `shard.grad` itself.
+  graph then returns None for that shard: the runtime accumulates into `shard.grad` itself;
+* a gradient that autograd upcasts back to the shard's dtype (the backward of a fused downcast)
+  goes to `reduce_grad` before the upcast: the bucket packing casts into the reduce dtype anyway,
+  so the graph skips a full-size cast kernel and the wider temporary.
 """
 
 from __future__ import annotations
@@ -105,6 +108,21 @@ def _grad_leaves(node: fx.Node) -> list[fx.Node]:
     return [node]
 
 
+def _before_upcast(node: fx.Node) -> fx.Node:
+    """The input of `node` if `node` only widens a floating-point gradient, else `node`.
+
+    Exact either way: the widening cast is lossless and the packing kernel computes in float32
+    (float64 for a float64 side) before its one cast into the bucket."""
+    dtype = cast_dtype(node)
+    src = node.args[0] if node.args else None
+    if dtype is None or not isinstance(src, fx.Node) or val(src) is None:
+        return node
+    narrow = val(src).dtype
+    if not (narrow.is_floating_point and dtype.is_floating_point):
+        return node
+    return src if narrow.itemsize < dtype.itemsize else node
+
+
 def _lower_grads(graph: fx.Graph, graph_id: int, out: Lowered) -> None:
     output = next(iter(graph.find_nodes(op="output")))
     grads = list(output.args[0])
@@ -123,6 +141,8 @@ def _lower_grads(graph: fx.Graph, graph_id: int, out: Lowered) -> None:
             )
         order = _order(graph)
         fulls = sorted((leaf.args[0] for leaf in reduced), key=order.__getitem__)
+        if len(fulls) == 1:  # a sum of several terms stays in the wide dtype
+            fulls = [_before_upcast(fulls[0])]
         with graph.inserting_before(fulls[-1].next):  # keeps the inserted nodes in order
             total = fulls[0]
             for f in fulls[1:]:

@@ -79,6 +79,7 @@ ENV_KEYS = (
     "NVSHMEM_DISABLE_NVLS",
     "TORCH_CUDA_ARCH_LIST",
     "CUDA_DEVICE_MAX_CONNECTIONS",
+    "ZRS_COMM_STREAMS",
     "BENCH_CACHE",
 )
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}

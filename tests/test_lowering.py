@@ -116,3 +116,23 @@ def test_the_compile_time_of_each_zrs_phase_is_recorded(lowered):
     assert {"lower", "profile", "plan", "keep"} <= spent.keys()
     assert all(s >= 0 for s in spent.values()) and spent["plan"] > 0
     assert "buckets" in spent  # the gradient buckets' planning, not counted under "keep"
+
+
+def _cast_node(kwargs: dict) -> fx.Node:
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(2, device="meta")
+    return graph.call_function(torch.ops.aten._to_copy.default, (x,), kwargs)
+
+
+def test_a_cast_that_names_its_own_device_is_still_a_cast():
+    """AOT autograd's backward of a cast spells out the device and layout: still a plain cast
+    (its input reaches reduce_grad before it). A move to another device, a layout change or a
+    memory-format change is not a cast."""
+    f32 = torch.float32
+    assert cast_dtype(_cast_node({"dtype": f32})) == f32
+    assert cast_dtype(_cast_node({"dtype": f32, "layout": torch.strided, "device": "meta"})) == f32
+    assert cast_dtype(_cast_node({"dtype": f32, "device": None})) == f32
+    assert cast_dtype(_cast_node({"dtype": f32, "device": "cpu"})) is None
+    assert cast_dtype(_cast_node({"dtype": f32, "layout": torch.sparse_coo})) is None
+    assert cast_dtype(_cast_node({"dtype": f32, "memory_format": torch.channels_last})) is None

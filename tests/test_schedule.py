@@ -208,6 +208,21 @@ def test_ir_orders_side_effects():
             )
 
 
+def test_ir_counts_a_reduce_scatter_in_the_reduce_dtype():
+    """reduce_grad may receive a bf16 gradient (before autograd's upcast) that is reduced in fp32:
+    the IR charges the reduce-scatter for what moves, numel x the reduce dtype's size."""
+    graph = lowered("conv_bn")[1]
+
+    def rs_bytes(**kwargs) -> list[int]:
+        ir, _ = schedule.build_ir(graph, **kwargs)
+        return [n["bytes"] for n in ir["nodes"] if n["kind"] == "reduce_scatter"]
+
+    own = rs_bytes()
+    assert own and all(b > 0 and b % 4 == 0 for b in own)  # the fp32 gradients themselves
+    assert rs_bytes(reduce_dtype=torch.bfloat16) == [b // 2 for b in own]
+    assert rs_bytes(reduce_dtype=torch.float64) == [b * 2 for b in own]
+
+
 def test_backward_inputs_are_live_at_the_start_and_freed_at_their_last_reader():
     fw, bw = lowered("gpt_tied")
     ir_fw, _ = schedule.build_ir(fw)

@@ -52,10 +52,10 @@ def cast_dtype(node: fx.Node) -> torch.dtype | None:
 
 def _same_device(cast: fx.Node) -> bool:
     """The device a cast names is its input's own (an index-less name matches any index)."""
-    src = val(cast.args[0]) if cast.args and isinstance(cast.args[0], fx.Node) else None
     want = cast.kwargs["device"]
     if want is None:
         return True
+    src = val(cast.args[0]) if cast.args and isinstance(cast.args[0], fx.Node) else None
     if not isinstance(src, torch.Tensor):
         return False
     want = torch.device(want)

@@ -480,8 +480,11 @@ def build_ir(
             spec["bytes"] = _bytes(val(n))
         elif kind == "reduce_scatter":
             grad = val(n.args[0])
-            itemsize = (reduce_dtype or grad.dtype).itemsize
-            spec["bytes"] = _numel(grad) * itemsize if isinstance(grad, torch.Tensor) else 0
+            spec["bytes"] = (
+                _numel(grad) * (reduce_dtype or grad.dtype).itemsize
+                if isinstance(grad, torch.Tensor)
+                else 0
+            )
         elif kind == "compute":
             us = durations.get(n.name) if durations is not None else None
             spec["duration_us"] = float(us) if us is not None else estimate_us(n, device_type)

@@ -180,6 +180,37 @@ def test_profile_times_compute_nodes_on_real_tensors():
         assert all(spec[m]["duration_us"] == times[m] for m in mms)
 
 
+def test_profile_makes_each_input_at_its_first_use(monkeypatch):
+    """The backward is profiled inside the first backward, beside the real saved activations:
+    its own copies of them must not all be live at once."""
+    import weakref
+
+    from zrs import profile
+
+    live, peak = [0], [0]
+    make = profile._real
+
+    def counted(t, device):
+        out = make(t, device)
+        if isinstance(out, torch.Tensor):
+            size = out.untyped_storage().nbytes()
+            live[0] += size
+            peak[0] = max(peak[0], live[0])
+            weakref.finalize(out, lambda: live.__setitem__(0, live[0] - size))
+        return out
+
+    monkeypatch.setattr(profile, "_real", counted)
+    bw = lowered("gpt_tied")[1]
+    inputs = sum(
+        t.untyped_storage().nbytes()
+        for n in bw.find_nodes(op="placeholder")
+        if isinstance(t := n.meta.get("val"), torch.Tensor)
+    )
+    assert profile.profile_graph(bw, torch.device("cpu"), None)
+    assert live[0] == 0, "every tensor the profile made was freed"
+    assert 0 < peak[0] < 0.6 * inputs, (peak[0], inputs)
+
+
 def test_ir_costs_matmuls_by_flops():
     graph = lowered("gpt_tied")[0]
     _, nodes = schedule.build_ir(graph, device_type="cuda", world=2)

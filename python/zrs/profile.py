@@ -111,12 +111,20 @@ def _run_once(graph: fx.Graph, device: torch.device) -> dict[str, float]:
         for a in n.all_input_nodes:
             last_use[a] = i
     env: dict[fx.Node, Any] = {}
+
+    def value(a: fx.Node) -> Any:
+        # An input becomes a real tensor at its first use, not all at the top: the backward is
+        # compiled (and profiled) lazily, inside the first backward, while that step's real saved
+        # activations are live: made all at once, the profile's copies of them doubled that
+        # memory, and the first step peaked far above the later ones.
+        if a not in env and a.op == "placeholder":
+            env[a] = _real(val(a), device)
+        return env[a]
+
     timer = _Timer(device)
     for i, n in enumerate(nodes):
-        if n.op == "placeholder":
-            env[n] = _real(val(n), device)
-        elif n.op == "call_function":
-            args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+        if n.op == "call_function":
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), value)
             if n.target is OPS.allgather_param.default:
                 env[n] = _real(val(n), device)
             elif n.target in _STUB_ALIAS:

@@ -93,6 +93,21 @@ def test_both_graphs_are_lowered(lowered, backend, param_dtype):
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_the_backward_is_compiled_with_the_forward(lowered, backend):
+    """Compiled (and profiled) lazily, the backward's profile ran inside the first backward
+    beside that step's real saved activations, and the first step's peak memory rose above every
+    later step's. Compiled with the forward, nothing but the shards is live then."""
+    graphs, _ = lowered
+    model = zrs.compile(Net(), backend=backend)
+    loss = model(torch.randn(4, 6))
+    assert "bw" in graphs, "the backward was lowered before the first backward ran"
+    lowered_bw = graphs["bw"]
+    loss.backward()
+    assert graphs["bw"] is lowered_bw, "and not again by the backward"
+    assert all(h.shard.grad is not None for h in model._zrs_state.handles if h.shard.requires_grad)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_torch_nn_container_is_captured_whole(backend):
     """An nn.Sequential (forward defined in torch.nn) compiles into one graph with every gather
     in it, not one graph per parameter with eager compute in between."""

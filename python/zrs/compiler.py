@@ -162,7 +162,15 @@ def make_backend(state: ZeroState, backend: str):
         # A cache hit would skip the partitioner, the rank check and the zero3 pass.
         context = functools.partial(schedule_context, state)
         keeps = state.keep_for_backward
-        with torch._functorch.config.patch(enable_autograd_cache=False):
+        # The backward is compiled now, beside the forward, not lazily inside the first backward:
+        # there its profile (real tensors of the graph's shapes) ran while the step's real saved
+        # activations were live, and the first step peaked above every later one (1b on 2xH200:
+        # 19.00 GiB against 16.27; benches/first_step_rss.py on the CPU). Its automatic CUDA
+        # budget also no longer counts the saved activations twice (once as the planner's base
+        # bytes, once as memory already taken).
+        with torch._functorch.config.patch(
+            enable_autograd_cache=False, force_non_lazy_backward_lowering=True
+        ):
             if backend == "inductor":
                 return _inductor(gm, example_inputs, graph_id, check, lower, context, keeps)
             return _eager(gm, example_inputs, check, lower, context, keeps)
@@ -198,7 +206,7 @@ def _inductor(
             patches["fx_graph_cache"] = False
         token = _CURRENT.set((graph_id, is_backward, keep, lower, ctx))
         try:
-            # Patched here, not around compile_fx: the backward is compiled lazily, later.
+            # Patched per graph, not around compile_fx: the forward and the backward differ.
             with inductor_config.patch(patches):
                 return compile_fx_inner(gm, inputs, **kwargs)
         finally:

@@ -113,10 +113,9 @@ def _run_once(graph: fx.Graph, device: torch.device) -> dict[str, float]:
     env: dict[fx.Node, Any] = {}
 
     def value(a: fx.Node) -> Any:
-        # An input becomes a real tensor at its first use, not all at the top: the backward is
-        # compiled (and profiled) lazily, inside the first backward, while that step's real saved
-        # activations are live: made all at once, the profile's copies of them doubled that
-        # memory, and the first step peaked far above the later ones.
+        # An input becomes a real tensor at its first use, not all at the top (and goes at its
+        # last): made all at once, a backward's copies of every saved activation were live
+        # together, more than the graph itself ever holds.
         if a not in env and a.op == "placeholder":
             env[a] = _real(val(a), device)
         return env[a]

@@ -211,6 +211,34 @@ def test_profile_makes_each_input_at_its_first_use(monkeypatch):
     assert 0 < peak[0] < 0.6 * inputs, (peak[0], inputs)
 
 
+def test_profile_frees_a_value_that_only_the_output_reads():
+    """A forward returns its saved activations: the profile returns nothing, so each goes at its
+    last use inside the graph instead of all of them staying live to the graph's end."""
+    import weakref
+
+    from zrs import profile
+
+    made: list[weakref.ref] = []
+    live_at_probe: list[list[bool]] = []
+
+    def big(x: torch.Tensor) -> torch.Tensor:
+        out = x.repeat(64, 1)
+        made.append(weakref.ref(out))
+        return out
+
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        live_at_probe.append([r() is not None for r in made])
+        return x.sum()
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(8, 8)
+    saved = [g.call_function(big, (x,)) for _ in range(2)]
+    g.output((*saved, g.call_function(probe, (x,))))
+    assert profile.profile_graph(g, torch.device("cpu"), None)
+    assert live_at_probe == [[False] * 2, [False] * 4], "run twice (warm-up, then timed)"
+
+
 def test_ir_costs_matmuls_by_flops():
     graph = lowered("gpt_tied")[0]
     _, nodes = schedule.build_ir(graph, device_type="cuda", world=2)

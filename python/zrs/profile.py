@@ -106,10 +106,14 @@ class _Timer:
 
 def _run_once(graph: fx.Graph, device: torch.device) -> dict[str, float]:
     nodes = list(graph.nodes)
+    # Where each value is read last by a node that runs. The output node does not count: the
+    # profile returns nothing, so a forward's saved activations go at their last use inside the
+    # graph, not all together at its end (the real step keeps them; the profile has no need to).
     last_use = {}
     for i, n in enumerate(nodes):
-        for a in n.all_input_nodes:
-            last_use[a] = i
+        if n.op != "output":
+            for a in n.all_input_nodes:
+                last_use[a] = i
     env: dict[fx.Node, Any] = {}
 
     def value(a: fx.Node) -> Any:
@@ -141,6 +145,8 @@ def _run_once(graph: fx.Graph, device: torch.device) -> dict[str, float]:
         for a in n.all_input_nodes:
             if last_use.get(a) == i:
                 env.pop(a, None)
+        if n not in last_use:
+            env.pop(n, None)  # read by nothing that runs
     return timer.result()
 
 

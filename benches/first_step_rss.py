@@ -6,8 +6,8 @@ planner profile, compile, the step) and after later ones, with the planner's pro
 The CPU stand-in for ``step.py``'s ``peak_GiB_all`` against ``peak_GiB`` on a GPU: the planner's
 profile runs every graph once on real tensors of its shapes, and a graph compiled (and profiled)
 inside a step, as AOTAutograd's lazily compiled backward was, adds what the profile holds to the
-step's live tensors. Each setting runs in a fresh process (world 1,
-gloo), since a process's peak RSS never goes down. The model is the Llama of ``llama.py`` at a
+step's live tensors. Each setting runs in a fresh process (world 1, gloo), since a process's
+peak RSS never goes down, with an inductor cache of its own (a hit skips zrs's passes). The model is the Llama of ``llama.py`` at a
 size whose activations dominate its parameters. The workers run with glibc's mmap threshold fixed
 at 64 KiB, so that every large tensor is its own mapping, returned to the system when freed, and
 peak RSS follows the peak of live tensors rather than the heap's fragmentation. The later steps'

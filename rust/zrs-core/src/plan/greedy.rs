@@ -157,6 +157,20 @@ impl<'a> State<'a> {
             self.sched[v as usize] = true;
             self.order.push(v);
         }
+        // A release only frees memory: emit it as soon as everything it waits for is scheduled.
+        // A gather that the fallback emits alone (a weight whose op also needs the bias) is no
+        // candidate afterwards, and its release would otherwise wait for the end of the graph.
+        for &v in nodes {
+            for &r in self.g.users(v) {
+                if self.g.kind(r) == NodeKind::Release
+                    && !self.sched[r as usize]
+                    && self.g.deps(r).iter().all(|&d| self.sched[d as usize])
+                {
+                    self.sched[r as usize] = true;
+                    self.order.push(r);
+                }
+            }
+        }
         for &v in nodes {
             if self.g.is_gather(v) {
                 self.remaining_ags -= 1;
@@ -569,6 +583,45 @@ mod tests {
         let nm = names(&g, &o);
         // Fallback key: the bias needs 1000 other bytes, the weight 10: the weight goes alone first.
         assert_eq!(nm, ["w", "b", "wb", "ww", "addmm", "rb", "rw"]);
+    }
+
+    /// Layers whose op reads a weight and a bias: every weight is released right after its op,
+    /// not at the end of the graph (the fallback gathers the weight alone, and it is no
+    /// candidate afterwards).
+    #[test]
+    fn weight_released_after_its_op_in_a_stack() {
+        let mut s = GraphSpec::default();
+        let layers = 4;
+        let mut x = s.push(NodeSpec::new("x", NodeKind::Other)) as usize;
+        for l in 0..layers as u64 {
+            let w = s.push(ag(&format!("w{l}"), 2 * l, 1000)) as usize;
+            let b = s.push(ag(&format!("b{l}"), 2 * l + 1, 10)) as usize;
+            let ww = s.push(wait(&format!("ww{l}"), 2 * l, w)) as usize;
+            let wb = s.push(wait(&format!("wb{l}"), 2 * l + 1, b)) as usize;
+            let y = s.push(op(&format!("addmm{l}"), vec![x, ww, wb], 5.0)) as usize;
+            s.push(rel(&format!("rw{l}"), 2 * l, vec![ww, y]));
+            s.push(rel(&format!("rb{l}"), 2 * l + 1, vec![wb, y]));
+            x = y;
+        }
+        let g = Graph::new(s).unwrap();
+        let o = greedy_order(&g, &dur(&g));
+        let nm = names(&g, &o);
+        let at = |n: &str| nm.iter().position(|m| m == n).unwrap();
+        for l in 0..layers - 1 {
+            assert!(at(&format!("rw{l}")) < at(&format!("w{}", l + 1)), "{nm:?}");
+        }
+        // At most one layer's weights are gathered at any point.
+        let mut live = 0u64;
+        let mut peak = 0u64;
+        for &v in &o {
+            match g.kind(v) {
+                NodeKind::Allgather => live += g.nodes[v as usize].bytes,
+                NodeKind::Release => live -= g.nodes[g.gather_of[v as usize] as usize].bytes,
+                _ => {}
+            }
+            peak = peak.max(live);
+        }
+        assert!(peak <= 2 * 1010, "peak {peak} bytes gathered: {nm:?}");
     }
 
     /// Reduce-scatters are emitted as soon as no all-gather blocks them, not at the end.

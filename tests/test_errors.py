@@ -106,3 +106,41 @@ def test_ranks_with_different_graphs_raise_instead_of_hanging(backend):
     for msg in messages:
         assert "ranks captured different forward graph 0" in msg, msg
         assert "first difference is node #" in msg and "rank 1" in msg, msg
+
+
+def _scaled(x, factor):
+    return x * factor
+
+
+def _graph_with_a_python_function(factor: float):
+    from torch import fx
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    y = graph.call_function(_scaled, (x, factor))
+    graph.call_function(torch.sym_sum, ([y, y],))
+    graph.output(y)
+    return graph
+
+
+def _compare_graphs(rank: int, world: int, factors: list[float]) -> str:
+    import torch.distributed as dist
+
+    from zrs.passes.consistency import check_same_graph
+
+    graph = _graph_with_a_python_function(factors[rank])
+    try:
+        check_same_graph(graph, dist.group.WORLD, "forward graph 0")
+    except zrs.ZrsError as exc:
+        return str(exc)
+    return "same"
+
+
+def test_the_rank_check_compares_functions_by_name_not_address():
+    """Each process holds the same Python function at its own address: that is no difference.
+    A real one (a constant) is still named."""
+    assert run_workers(_compare_graphs, 2, [0.5, 0.5], timeout=120) == ["same", "same"]
+    messages = run_workers(_compare_graphs, 2, [0.5, 0.25], timeout=120)
+    for msg in messages:
+        assert "first difference is node #1" in msg, msg
+        assert "test_errors._scaled (%0, 0.5)" in msg and "0.25" in msg, msg

@@ -10,7 +10,10 @@ differing node.
 from __future__ import annotations
 
 import hashlib
+import re
+from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import fx
 
@@ -23,13 +26,38 @@ def _describe(value) -> str:
     return f"{getattr(value, 'dtype', '')}{list(shape)}" if shape is not None else ""
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _stable(x: Any, index: dict[fx.Node, int]) -> str:
+    """`x` as text that is the same in every process: no address or id. A Python function's
+    default repr holds its address (`<function sym_sum at 0x7f..>`): name it by module and
+    qualified name instead."""
+    if isinstance(x, fx.Node):
+        return f"%{index[x]}"
+    if isinstance(x, (list, tuple)):
+        inner = ", ".join(_stable(v, index) for v in x)
+        return f"[{inner}]" if isinstance(x, list) else f"({inner})"
+    if isinstance(x, dict):
+        return "{" + ", ".join(f"{k}: {_stable(v, index)}" for k, v in x.items()) + "}"
+    if isinstance(x, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, str)):
+        return str(x)
+    if callable(x) and hasattr(x, "__qualname__"):
+        return f"{getattr(x, '__module__', None) or '?'}.{x.__qualname__}"
+    if isinstance(x, torch.Tensor):  # a constant the graph holds: its kind, not its address
+        return _describe(x)
+    return _ADDRESS.sub("", repr(x))
+
+
 def signature(graph: fx.Graph) -> list[str]:
     """One line per node: op, target, constant arguments and output shape; no names."""
     index = {n: i for i, n in enumerate(graph.nodes)}
     lines = []
     for n in graph.nodes:
-        args = [f"%{index[a]}" if isinstance(a, fx.Node) else repr(a) for a in n.args]
-        lines.append(f"{n.op} {n.target} ({', '.join(args)}) -> {_describe(n.meta.get('val'))}")
+        call = _stable(n.target, index)
+        args = _stable(tuple(n.args), index)
+        kwargs = f" {_stable(dict(n.kwargs), index)}" if n.kwargs else ""
+        lines.append(f"{n.op} {call} {args}{kwargs} -> {_describe(n.meta.get('val'))}")
     return lines
 
 

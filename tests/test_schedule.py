@@ -190,8 +190,8 @@ def test_profile_makes_each_input_at_its_first_use(monkeypatch):
     live, peak = [0], [0]
     make = profile._real
 
-    def counted(t, device):
-        out = make(t, device)
+    def counted(t, device, hints):
+        out = make(t, device, hints)
         if isinstance(out, torch.Tensor):
             size = out.untyped_storage().nbytes()
             live[0] += size
@@ -608,3 +608,53 @@ def test_trace_files(tmp_path, monkeypatch, how):
         events = trace["traceEvents"] if isinstance(trace, dict) else trace
         assert any(e.get("ph") == "X" for e in events)
         assert (tmp_path / f"{stem}.memory.png").read_bytes().startswith(b"\x89PNG")
+
+
+class _ConstantAndLengths(nn.Module):
+    """A tensor constant made in forward (a `get_attr` in the graph), an in-place op on it, and a
+    sequence length that dynamo makes symbolic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        scale = torch.tensor([1.0, 2.0, 3.0, 4.0])
+        scale.mul_(0.5)
+        return (self.lin(x) * scale).sum(dim=1)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_profile_runs_constants_and_symbolic_sizes(monkeypatch, backend):
+    """Every graph dynamo gives is profiled: constants (`_tensor_constant0` raised KeyError in
+    the eager backend), in-place ops on them, and symbolic sizes at their hints."""
+    from zrs import profile
+
+    timed: list[tuple[dict, dict]] = []
+    constants = []
+    real = schedule.profile_graph
+
+    def spy(graph, device, group, hints=None):
+        constants.extend(graph.find_nodes(op="get_attr"))
+        out = real(graph, device, group, hints)
+        timed.append((out, dict(hints or {})))
+        return out
+
+    monkeypatch.setattr(schedule, "profile_graph", spy)
+    torch.manual_seed(0)
+    model = _ConstantAndLengths()
+    ref = _ConstantAndLengths()
+    ref.load_state_dict(model.state_dict())
+    zrs.compile(model, backend=backend)
+    try:
+        for length in (5, 9, 13):  # the second length makes the graph symbolic
+            x = torch.randn(2, length, 4)
+            torch.testing.assert_close(model(x), ref(x))
+            model(x).sum().backward()
+    finally:
+        runtime.reset()
+    assert all(t for t, _ in timed), "every graph had compute nodes timed"
+    assert constants or backend == "inductor", "the eager backend's graph holds the constant"
+    symbolic = [h for _, h in timed if h]
+    assert symbolic and all(v in (9, 13) for h in symbolic for v in h.values()), timed
+    assert profile.concrete(5, {}) == 5

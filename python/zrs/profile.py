@@ -4,6 +4,8 @@
   once on real tensors of its shapes with the zrs collectives stubbed out (a gather becomes an
   uninitialised buffer, nothing is communicated). Integer inputs are zeros, so embeddings and
   index ops stay in range; a node that cannot run on such data keeps the analytic estimate.
+  Constants the graph holds (`get_attr`) run as copies, so in-place ops cannot touch them;
+  symbolic sizes run at their hints (`size_hints`).
 * `measure_collectives`: a short sweep of all-gather and reduce-scatter sizes on the process group,
   fitted to latency + bytes / bandwidth (`zrs.plan.fit_cost_model`).
 
@@ -17,19 +19,21 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
+import sympy
 import torch
 import torch.distributed as dist
 from torch import fx
 from torch._dispatch.python import no_python_dispatcher
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from zrs import plan as zplan
 from zrs import runtime
 from zrs._core import ZrsError
 from zrs.exchange import all_gather_bytes
-from zrs.passes._nodes import OPS, tensors_in, val
+from zrs.passes._nodes import OPS, val
 
 _log = logging.getLogger(__name__)
 
@@ -59,18 +63,84 @@ def agree_max(values: list[float], group: dist.ProcessGroup | None) -> list[floa
     return [max(col) for col in zip(*rows, strict=True)]
 
 
+# --- symbolic sizes -----------------------------------------------------------------------------
+
+# A symbolic size that has no hint (data-dependent) counts as this many elements.
+SYMBOLIC_DIM = 64
+# sympy symbol -> the size every rank uses for it
+SizeHints = Mapping[Any, int]
+
+
+def _symints(value: Any) -> list[torch.SymInt]:
+    if isinstance(value, torch.SymInt):
+        return [value]
+    if isinstance(value, torch.Tensor):
+        return [d for d in (*value.shape, *value.stride()) if isinstance(d, torch.SymInt)]
+    if isinstance(value, (tuple, list)):
+        return [s for v in value for s in _symints(v)]
+    return []
+
+
+def size_hints(graph: fx.Graph, group: dist.ProcessGroup | None) -> dict[Any, int]:
+    """The size of every symbol in the graph's inputs: this rank's hint, the largest over the
+    ranks (an exchange, only when there are symbols; every rank has the same graph).
+
+    Ranks that see different lengths hold different hints; the planner must size the graph
+    alike everywhere, and the largest plans for the worst case."""
+    symbols: dict[str, tuple[Any, Any]] = {}
+    for n in graph.find_nodes(op="placeholder"):
+        for s in _symints(val(n)):
+            for sym in s.node.expr.free_symbols:
+                symbols.setdefault(str(sym), (sym, s.node.shape_env))
+    if not symbols:
+        return {}
+    names = sorted(symbols)
+    mine = []
+    for name in names:
+        sym, env = symbols[name]
+        hint = env.backed_var_to_val.get(sym) if env is not None else None
+        mine.append(float(hint) if hint is not None else float(SYMBOLIC_DIM))
+    agreed = agree_max(mine, group)
+    return {symbols[name][0]: int(v) for name, v in zip(names, agreed, strict=True)}
+
+
+def concrete(d: Any, hints: SizeHints | None) -> int:
+    """A size as an int: itself, or a symbolic one evaluated at `hints`."""
+    if isinstance(d, int):
+        return d
+    if isinstance(d, torch.SymInt) and hints:
+        expr = d.node.expr.xreplace({s: sympy.Integer(v) for s, v in hints.items()})
+        if expr.is_number:
+            return int(expr)
+    return SYMBOLIC_DIM
+
+
 # --- compute profile ----------------------------------------------------------------------------
 
 
-def _real(t: Any, device: torch.device) -> Any:
-    """A real tensor shaped like the fake `t` (random floats, zero integers)."""
+def _real(t: Any, device: torch.device, hints: SizeHints) -> Any:
+    """A real value like the fake `t`: tensors of its sizes at `hints` (random floats, zero
+    integers), symbolic ints at their hints."""
     if isinstance(t, (tuple, list)):
-        return type(t)(_real(x, device) for x in t)
+        return type(t)(_real(x, device, hints) for x in t)
+    if isinstance(t, torch.SymInt):
+        return concrete(t, hints)
     if not isinstance(t, torch.Tensor):
         return t
+    shape = [concrete(d, hints) for d in t.shape]
     if t.dtype.is_floating_point or t.dtype.is_complex:
-        return torch.randn(t.shape, dtype=t.dtype, device=device)
-    return torch.zeros(t.shape, dtype=t.dtype, device=device)
+        return torch.randn(shape, dtype=t.dtype, device=device)
+    return torch.zeros(shape, dtype=t.dtype, device=device)
+
+
+def _constant(graph: fx.Graph, n: fx.Node, device: torch.device, hints: SizeHints) -> Any:
+    """A copy of the constant a `get_attr` node reads (an in-place op may write to it)."""
+    value: Any = graph.owning_module
+    for part in str(n.target).split("."):
+        value = getattr(value, part, None)
+    if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+        return value.detach().clone()
+    return _real(val(n) if value is None or isinstance(value, FakeTensor) else value, device, hints)
 
 
 class _Timer:
@@ -104,7 +174,7 @@ class _Timer:
         return self.times
 
 
-def _run_once(graph: fx.Graph, device: torch.device) -> dict[str, float]:
+def _run_once(graph: fx.Graph, device: torch.device, hints: SizeHints) -> dict[str, float]:
     nodes = list(graph.nodes)
     # Where each value is read last by a node that runs. The output node does not count: the
     # profile returns nothing, so a forward's saved activations go at their last use inside the
@@ -121,7 +191,9 @@ def _run_once(graph: fx.Graph, device: torch.device) -> dict[str, float]:
         # last): made all at once, a backward's copies of every saved activation were live
         # together, more than the graph itself ever holds.
         if a not in env and a.op == "placeholder":
-            env[a] = _real(val(a), device)
+            env[a] = _real(val(a), device, hints)
+        elif a not in env and a.op == "get_attr":
+            env[a] = _constant(graph, a, device, hints)
         return env[a]
 
     timer = _Timer(device)
@@ -129,7 +201,7 @@ def _run_once(graph: fx.Graph, device: torch.device) -> dict[str, float]:
         if n.op == "call_function":
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), value)
             if n.target is OPS.allgather_param.default:
-                env[n] = _real(val(n), device)
+                env[n] = _real(val(n), device, hints)
             elif n.target in _STUB_ALIAS:
                 env[n] = args[0]
             elif n.target in _STUB_NONE:
@@ -139,7 +211,7 @@ def _run_once(graph: fx.Graph, device: torch.device) -> dict[str, float]:
                 try:
                     env[n] = n.target(*args, **kwargs)
                 except Exception:
-                    env[n] = _real(val(n), device)  # keeps the analytic estimate
+                    env[n] = _real(val(n), device, hints)  # keeps the analytic estimate
                 else:
                     timer.stop(n.name, begin)
         for a in n.all_input_nodes:
@@ -151,21 +223,20 @@ def _run_once(graph: fx.Graph, device: torch.device) -> dict[str, float]:
 
 
 def profile_graph(
-    graph: fx.Graph, device: torch.device, group: dist.ProcessGroup | None
-) -> dict[str, float] | None:
-    """Microseconds per compute node name, agreed over the ranks; None when the graph has
-    symbolic shapes (nothing concrete to run). Runs the graph twice and keeps the second run."""
-    if any(
-        any(not isinstance(d, int) for t in tensors_in(val(n)) for d in t.shape)
-        for n in graph.nodes
-    ):
-        return None
+    graph: fx.Graph,
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+    hints: SizeHints | None = None,
+) -> dict[str, float]:
+    """Microseconds per compute node name, agreed over the ranks; symbolic sizes run at
+    `hints` (`size_hints`). Runs the graph twice and keeps the second run."""
+    hints = hints or {}
     with unset_fake_temporarily(), no_python_dispatcher(), torch.no_grad():
         state = torch.random.get_rng_state()
         cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         try:
-            _run_once(graph, device)  # warm-up: library handles, caches, allocator
-            times = _run_once(graph, device)
+            _run_once(graph, device, hints)  # warm-up: library handles, caches, allocator
+            times = _run_once(graph, device, hints)
         finally:
             torch.random.set_rng_state(state)
             if cuda_state is not None:

@@ -46,7 +46,8 @@ Runs right after the zero3 pass (``passes.zero3``), on the lowered forward or ba
    topological sorts would move them.
 
 Rank agreement: every input of the planner comes from the graph (meta shapes, constants), the
-options and the world size; symbolic sizes count as a fixed ``SYMBOLIC_DIM``, not their hint. Both
+options and the world size; symbolic sizes count at their hint, the largest over the ranks
+(``profile.size_hints``), so every rank sizes them alike. Both
 schedulers are deterministic (the search's local refinement is bounded by a count of simulator
 runs, not by wall clock), and the rank check has already shown that the ranks lowered the same
 graph, so every rank plans alone and arrives at the same order and buckets. The CUDA budget is
@@ -82,7 +83,7 @@ from zrs import plan as zplan
 from zrs._core import ZrsError
 from zrs.exchange import all_gather_bytes
 from zrs.passes._nodes import OPS, alias_closure, is_op, is_view, tensors_in, val
-from zrs.profile import profile_graph
+from zrs.profile import SYMBOLIC_DIM, SizeHints, concrete, profile_graph, size_hints
 
 SCHEDULERS = ("search", "greedy", "none")
 
@@ -94,8 +95,6 @@ DEVICE_RATES: dict[str, tuple[float, float, float]] = {
     "cuda": (700e12, 3e12, 3.0),
     "cpu": (50e9, 10e9, 2.0),
 }
-# A symbolic (dynamic) dimension counts as this many elements: a hint could differ per rank.
-SYMBOLIC_DIM = 64
 # Collectives on CPU (gloo over loopback / TCP): a rough latency + bandwidth model.
 CPU_GLOO_LINK = {"latency_us": 50.0, "bus_gbps": 5.0}
 # Free device memory that an automatic (CUDA) budget leaves unused, and its rounding.
@@ -177,24 +176,24 @@ class Scheduled:
 # --- sizes -------------------------------------------------------------------------------------
 
 
-def _dim(d: Any) -> int:
-    return d if isinstance(d, int) else SYMBOLIC_DIM
+def _dim(d: Any, hints: SizeHints | None = None) -> int:
+    return concrete(d, hints) if hints else d if isinstance(d, int) else SYMBOLIC_DIM
 
 
-def _numel(t: torch.Tensor) -> int:
-    return math.prod(_dim(d) for d in t.shape)
+def _numel(t: torch.Tensor, hints: SizeHints | None = None) -> int:
+    return math.prod(_dim(d, hints) for d in t.shape)
 
 
-def _bytes(t: Any) -> int:
-    return _numel(t) * t.dtype.itemsize if isinstance(t, torch.Tensor) else 0
+def _bytes(t: Any, hints: SizeHints | None = None) -> int:
+    return _numel(t, hints) * t.dtype.itemsize if isinstance(t, torch.Tensor) else 0
 
 
 # --- durations ---------------------------------------------------------------------------------
 
 
-def _shape(n: Any) -> list[int]:
+def _shape_of(n: Any, hints: SizeHints | None) -> list[int]:
     t = val(n) if isinstance(n, fx.Node) else None
-    return [_dim(d) for d in t.shape] if isinstance(t, torch.Tensor) else []
+    return [_dim(d, hints) for d in t.shape] if isinstance(t, torch.Tensor) else []
 
 
 def _attention_flops(q: list[int], k: list[int], v: list[int]) -> float:
@@ -204,41 +203,46 @@ def _attention_flops(q: list[int], k: list[int], v: list[int]) -> float:
     return 2.0 * batch * q[-2] * k[-2] * (q[-1] + v[-1])
 
 
-def flops(node: fx.Node) -> float:
+def flops(node: fx.Node, hints: SizeHints | None = None) -> float:
     """Floating-point operations of the big ops (0 for the rest)."""
     target, args = node.target, node.args
+
     if target in _MATMULS:
         a, b = (args[1], args[2]) if target in _ADD_MATMULS else (args[0], args[1])
-        sa, sb = _shape(a), _shape(b)
+        sa, sb = _shape_of(a, hints), _shape_of(b, hints)
         if len(sa) < 2 or len(sb) < 2:
             return 0.0
         return 2.0 * math.prod(sa) * sb[-1]  # [.., m, k] @ [.., k, n]
     name = str(target)
     if target is torch.ops.aten.convolution.default:
-        w, out = _shape(args[1]), _shape(node)
+        w, out = _shape_of(args[1], hints), _shape_of(node, hints)
         if len(w) < 3 or not out:
             return 0.0
         transposed = bool(args[6]) if len(args) > 6 else False
-        work = math.prod(_shape(args[0])) if transposed else math.prod(out)
+        work = math.prod(_shape_of(args[0], hints)) if transposed else math.prod(out)
         return 2.0 * work * w[1] * math.prod(w[2:])
     if target is torch.ops.aten.convolution_backward.default:
-        grad_out, w = _shape(args[0]), _shape(args[2])
+        grad_out, w = _shape_of(args[0], hints), _shape_of(args[2], hints)
         if len(w) < 3 or not grad_out:
             return 0.0
         return 2.0 * 2.0 * math.prod(grad_out) * w[1] * math.prod(w[2:])
     if "attention" in name and ("scaled_dot_product" in name or "efficient" in name):
         if "backward" in name:  # (grad_out, query, key, value, ...): about 2.5x the forward
-            return 2.5 * _attention_flops(_shape(args[1]), _shape(args[2]), _shape(args[3]))
-        return _attention_flops(_shape(args[0]), _shape(args[1]), _shape(args[2]))
+            return 2.5 * _attention_flops(
+                _shape_of(args[1], hints), _shape_of(args[2], hints), _shape_of(args[3], hints)
+            )
+        return _attention_flops(
+            _shape_of(args[0], hints), _shape_of(args[1], hints), _shape_of(args[2], hints)
+        )
     return 0.0
 
 
-def estimate_us(node: fx.Node, device_type: str) -> float:
+def estimate_us(node: fx.Node, device_type: str, hints: SizeHints | None = None) -> float:
     """Analytic device time of one compute node: floor + max(flops / FLOPS, bytes / BW)."""
     rate, bandwidth, floor = DEVICE_RATES.get(device_type, DEVICE_RATES["cuda"])
-    moved = sum(_bytes(val(a)) for a in node.all_input_nodes)
-    moved += sum(_bytes(t) for t in tensors_in(val(node)))
-    return floor + max(flops(node) / rate, moved / bandwidth) * 1e6
+    moved = sum(_bytes(val(a), hints) for a in node.all_input_nodes)
+    moved += sum(_bytes(t, hints) for t in tensors_in(val(node)))
+    return floor + max(flops(node, hints) / rate, moved / bandwidth) * 1e6
 
 
 def default_cost(device_type: str, world: int) -> str | dict[str, Any]:
@@ -398,7 +402,9 @@ def _last_reader(holders: list[fx.Node], index: dict[fx.Node, int], default: fx.
     return max(users, key=index.__getitem__, default=default)
 
 
-def _consumed_inputs(nodes: list[fx.Node], index: dict[fx.Node, int], free: list[int]) -> int:
+def _consumed_inputs(
+    nodes: list[fx.Node], index: dict[fx.Node, int], free: list[int], hints: SizeHints
+) -> int:
     """Bytes of the backward graph's inputs that it frees as it goes, added to `free` at each
     input's last reader; returns their total (live when the graph starts).
 
@@ -413,7 +419,7 @@ def _consumed_inputs(nodes: list[fx.Node], index: dict[fx.Node, int], free: list
         if any(is_op(u, "allgather_param") for u in n.users):
             continue
         last = _last_reader([n], index, default=n)
-        size = _bytes(val(n))
+        size = _bytes(val(n), hints)
         if last is None or size == 0:
             continue
         live += size
@@ -421,7 +427,9 @@ def _consumed_inputs(nodes: list[fx.Node], index: dict[fx.Node, int], free: list
     return live
 
 
-def _memory(nodes: list[fx.Node], index: dict[fx.Node, int]) -> tuple[list[int], list[int]]:
+def _memory(
+    nodes: list[fx.Node], index: dict[fx.Node, int], hints: SizeHints
+) -> tuple[list[int], list[int]]:
     alloc, free = [0] * len(nodes), [0] * len(nodes)
     for i, n in enumerate(nodes):
         if _kind(n) != "compute" or _aliases_input(n):
@@ -439,7 +447,7 @@ def _memory(nodes: list[fx.Node], index: dict[fx.Node, int]) -> tuple[list[int],
         else:
             continue
         for t, holders in parts:
-            size = _bytes(t)
+            size = _bytes(t, hints)
             if size == 0:
                 continue
             alloc[i] += size
@@ -457,19 +465,22 @@ def build_ir(
     durations: Mapping[str, float] | None = None,
     is_backward: bool = False,
     reduce_dtype: torch.dtype | None = None,
+    hints: SizeHints | None = None,
 ) -> tuple[dict[str, Any], list[fx.Node]]:
     """The planner IR of a lowered graph, and the FX node behind each IR index.
 
     ``durations`` (node name -> microseconds) overrides the analytic estimate: the hook for a
     measured profile. A backward graph's inputs are live at its start (``base_bytes``) and
-    freed at their last readers.
+    freed at their last readers. ``hints`` size the symbolic dimensions (``profile.size_hints``,
+    the same on every rank); without them each counts as ``SYMBOLIC_DIM``.
     """
+    hints = hints or {}
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     deps = [{index[a] for a in n.all_input_nodes} for n in nodes]
     _ordering_deps(nodes, index, deps)
-    alloc, free = _memory(nodes, index)
-    base = _consumed_inputs(nodes, index, free) if is_backward else 0
+    alloc, free = _memory(nodes, index, hints)
+    base = _consumed_inputs(nodes, index, free, hints) if is_backward else 0
     specs = []
     for i, n in enumerate(nodes):
         kind = _kind(n)
@@ -477,17 +488,19 @@ def build_ir(
         if kind in ("allgather", "wait", "release", "reduce_scatter"):
             spec["ds_id"] = int(n.args[2])
         if kind == "allgather":
-            spec["bytes"] = _bytes(val(n))
+            spec["bytes"] = _bytes(val(n), hints)
         elif kind == "reduce_scatter":
             grad = val(n.args[0])
             spec["bytes"] = (
-                _numel(grad) * (reduce_dtype or grad.dtype).itemsize
+                _numel(grad, hints) * (reduce_dtype or grad.dtype).itemsize
                 if isinstance(grad, torch.Tensor)
                 else 0
             )
         elif kind == "compute":
             us = durations.get(n.name) if durations is not None else None
-            spec["duration_us"] = float(us) if us is not None else estimate_us(n, device_type)
+            spec["duration_us"] = (
+                float(us) if us is not None else estimate_us(n, device_type, hints)
+            )
         if alloc[i]:
             spec["alloc_bytes"] = alloc[i]
         if free[i]:
@@ -646,7 +659,9 @@ def schedule_graph(
         return None
     what = graph_label(graph_id, is_backward)
     t0 = time.perf_counter()
-    durations = profile_graph(graph, torch.device(ctx.device), ctx.group) if ctx.profile else None
+    hints = size_hints(graph, ctx.group)  # an exchange, only for a graph with symbolic sizes
+    device = torch.device(ctx.device)
+    durations = profile_graph(graph, device, ctx.group, hints) if ctx.profile else None
     t1 = time.perf_counter()
     ir, nodes = build_ir(
         graph,
@@ -655,6 +670,7 @@ def schedule_graph(
         durations=durations,
         is_backward=is_backward,
         reduce_dtype=ctx.reduce_dtype,
+        hints=hints,
     )
     trace = bool(ctx.trace_dir) and ctx.rank == 0
     try:

@@ -641,17 +641,17 @@ def test_profile_runs_constants_and_symbolic_sizes(monkeypatch, backend):
         return out
 
     monkeypatch.setattr(schedule, "profile_graph", spy)
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # a hit skips the passes
     torch.manual_seed(0)
     model = _ConstantAndLengths()
     ref = _ConstantAndLengths()
     ref.load_state_dict(model.state_dict())
     zrs.compile(model, backend=backend)
     try:
-        for length in (5, 9, 13):  # the second length makes the graph symbolic
-            x = torch.randn(2, length, 4)
-            torch.testing.assert_close(model(x), ref(x))
-            model(x).sum().backward()
+        with inductor_config.patch(fx_graph_cache=False):  # a cache hit skips the passes
+            for length in (5, 9, 13):  # the second length makes the graph symbolic
+                x = torch.randn(2, length, 4)
+                torch.testing.assert_close(model(x), ref(x))
+                model(x).sum().backward()
     finally:
         runtime.reset()
     assert all(t for t, _ in timed), "every graph had compute nodes timed"

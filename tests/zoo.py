@@ -41,6 +41,8 @@ class ZooModel:
     # did not run the code.
     explicit_graph_break: bool = False
     seed: int = 0
+    # After training, `generate(model)` returns tokens that must equal the reference's.
+    generate: Callable[[nn.Module], Tensor] | None = None
 
     def build(self) -> nn.Module:
         """The model with its seeded initial weights; leaves the global RNG state untouched."""
@@ -247,6 +249,15 @@ def _conv_batch(rank: int, step: int) -> Batch:
     return (torch.randn(4, 3, 7, 7, generator=g), torch.randn(4, 3, generator=g))
 
 
+def spec_of(name: str) -> ZooModel:
+    """A model of this zoo or of the Hugging Face zoo (`hf_zoo`, which needs transformers)."""
+    if name in ZOO:
+        return ZOO[name]
+    from hf_zoo import HF_ZOO
+
+    return HF_ZOO[name]
+
+
 ZOO: dict[str, ZooModel] = {
     m.name: m
     for m in [
@@ -301,6 +312,7 @@ class Reference:
     state_dict_keys: list[str]
     # (full numel, requires_grad) of each distinct parameter: what a rank's shards must match.
     params: list[tuple[int, bool]]
+    generated: Tensor | None = None  # spec.generate of the trained model
 
 
 def train_reference(
@@ -334,12 +346,19 @@ def train_reference(
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(step_losses)
+    generated = None
+    if spec.generate is not None:
+        with torch.autocast(
+            "cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None
+        ):
+            generated = spec.generate(model)
     return Reference(
         init=init,
         final=param_dict(model),
         losses=losses,
         state_dict_keys=list(model.state_dict().keys()),
         params=[(p.numel(), p.requires_grad) for p in model.parameters()],
+        generated=generated,
     )
 
 
@@ -372,7 +391,7 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
     import zrs
 
     counters.clear()  # per case: the graph breaks below are this case's alone
-    spec = ZOO[case.model]
+    spec = spec_of(case.model)
     device = torch.device("cpu")
     if case.device == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
@@ -404,14 +423,17 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
         loss.backward()
         opt.step()
         losses.append(loss.item())
+    graphs = counters["stats"]["unique_graphs"]
+    generated = spec.generate(model) if spec.generate is not None else None
     state = zrs.full_state_dict(model)
     return {
+        "generated": generated,
         "returned_same_object": compiled is model,
         "local_params": local,
         "losses": losses,
         "output_dtypes": sorted(set(output_dtypes), key=str),
         "graph_breaks": sorted(counters["graph_break"]),
-        "graphs": counters["stats"]["unique_graphs"],
+        "graphs": graphs,
         "state": {k: v.detach().cpu().clone() for k, v in state.items()},
     }
 

@@ -7,6 +7,7 @@ opt = torch.optim.AdamW(model.parameters())   # the parameters are the local fp3
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import os
 from typing import Any
@@ -14,12 +15,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.fx.experimental import _config as fx_config
 from torch.utils._pytree import tree_map
 
 from zrs import kernels, runtime
 from zrs import ops as _ops  # noqa: F401  (registers the torch.ops.zrs namespace)
 from zrs._core import Registry, ZrsError
 from zrs.compiler import BACKENDS, make_backend
+from zrs.exchange import CompileRendezvous
 from zrs.passes.schedule import SCHEDULERS, trace_dir_from_env
 from zrs.runtime import ZeroState
 from zrs.sharding import InitFn, check_devices, full_state_dict, shard_model
@@ -76,6 +79,8 @@ def compile(
     profile: bool = True,
     keep_for_backward: bool = True,
     separate_reduce_communicator: bool = True,
+    dynamic: bool | None = None,
+    timeout: float | None = None,
 ) -> nn.Module:
     """Shard `model` across the process group and compile it with the zrs ZeRO-3 backend.
 
@@ -118,6 +123,14 @@ def compile(
             over the same ranks, so that they need not queue behind the all-gathers prefetched
             before them (NCCL runs one communicator's collectives in issue order). False: one
             communicator for both, which then never run at the same time.
+        dynamic: passed to torch.compile. None (default): with several ranks True, every size
+            of the forward's inputs is symbolic from the first compile, so that batches whose
+            shapes change from step to step, or differ between the ranks, never make one rank
+            compile alone; with one process torch.compile's default (a shape change recompiles
+            once, with the changed sizes symbolic).
+        timeout: seconds a rank waits for the others before each graph compile; a rank that
+            compiles alone raises ZrsError on every rank after it. Default: the timeout of the
+            process group's store (init_process_group's timeout).
 
     Returns the same model object, sharded and compiled in place.
     """
@@ -125,6 +138,8 @@ def compile(
         raise ZrsError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     if scheduler not in SCHEDULERS:
         raise ZrsError(f"unknown scheduler {scheduler!r}: choose one of {', '.join(SCHEDULERS)}")
+    if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
+        raise ZrsError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
     if memory_budget is not None and (
         isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget <= 0
     ):
@@ -134,6 +149,11 @@ def compile(
     group = _resolve_group(process_group)
     device = _resolve_device(model, group)
     world = dist.get_world_size(group) if group is not None else 1
+    entry = next(_ENTRIES)
+    rendezvous = None
+    if group is not None and world > 1:
+        wait = datetime.timedelta(seconds=timeout) if timeout is not None else None
+        rendezvous = CompileRendezvous(group, f"{group.group_name}/{entry}", wait)
     state = ZeroState(
         group=group,
         world_size=world,
@@ -149,6 +169,7 @@ def compile(
         trace_dir=trace_dir_from_env(trace_dir),
         profile=profile,
         keep_for_backward=keep_for_backward,
+        rendezvous=rendezvous,
     )
     if device.type == "cuda":
         kernels.build_in_background()  # nvcc runs while dynamo and inductor trace the model
@@ -158,14 +179,16 @@ def compile(
     model._zrs_state = state
     if param_dtype is not None:
         model.register_forward_pre_hook(_cast_inputs(param_dtype), with_kwargs=True)
-    _compile_in_place(model, make_backend(state, backend))
+    if dynamic is None and world > 1:
+        dynamic = True
+    _compile_in_place(model, make_backend(state, backend), entry, dynamic)
     return model
 
 
-_ENTRIES = itertools.count()
+_ENTRIES = itertools.count()  # zrs.compile calls in this process: every rank counts alike
 
 
-def _compile_in_place(model: nn.Module, backend: Any) -> None:
+def _compile_in_place(model: nn.Module, backend: Any, entry: int, dynamic: bool | None) -> None:
     """What `model.compile(backend=...)` does, but entered through a frame of zrs code.
 
     `nn.Module.compile` compiles `model._call_impl`, and dynamo (torch 2.11) captures nothing when
@@ -181,5 +204,17 @@ def _compile_in_place(model: nn.Module, backend: Any) -> None:
     # Dynamo keeps its compiled entries on the code object, and a second zrs.compile of the same
     # class and shapes passed the first one's guards (it ran with the first model's backend and
     # zero state). A code object of its own per model keeps their entries apart.
-    zrs_forward.__code__ = zrs_forward.__code__.replace(co_name=f"zrs_forward_{next(_ENTRIES)}")
-    model._compiled_call_impl = torch.compile(zrs_forward, backend=backend)
+    zrs_forward.__code__ = zrs_forward.__code__.replace(co_name=f"zrs_forward_{entry}")
+    compiled = torch.compile(zrs_forward, backend=backend, dynamic=dynamic)
+    if not dynamic:
+        model._compiled_call_impl = compiled
+        return
+
+    def forward_without_duck_sizing(*args: Any, **kwargs: Any) -> Any:
+        # Duck sizing gives two sizes that are equal at the first compile one symbol (batch 8,
+        # length 8): a rank whose sizes differ then traces another graph, or recompiles alone
+        # once they part. Each size gets its own symbol.
+        with fx_config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
+
+    model._compiled_call_impl = forward_without_duck_sizing

@@ -84,7 +84,10 @@ LOWERING = ZeroLowering()
 
 
 def _check(state: ZeroState, graph_id: int, graph: fx.Graph, is_backward: bool) -> None:
-    check_same_graph(graph, state.group, graph_label(graph_id, is_backward))
+    what = graph_label(graph_id, is_backward)
+    if state.rendezvous is not None:  # every rank compiles this graph now, or all raise
+        state.rendezvous.arrive(what)
+    check_same_graph(graph, state.group, what)
 
 
 def schedule_context(state: ZeroState) -> ScheduleContext:

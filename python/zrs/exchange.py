@@ -17,12 +17,15 @@ the `Work` back), under `no_python_dispatcher` so that the pybind binding can dr
 from __future__ import annotations
 
 import collections
+import datetime
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._dispatch.python import no_python_dispatcher
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from zrs._core import ZrsError
 
 # How many finished collectives stay referenced. A gloo worker releases its reference right
 # after it completes a collective; this many later collectives is far beyond that. On CPU this
@@ -78,3 +81,65 @@ def all_gather_flags(flag: bool, group: dist.ProcessGroup | None = None) -> list
     """Every rank's `flag`, in rank order (`group` None: the default group)."""
     group = group or dist.group.WORLD
     return [b == b"\x01" for b in all_gather_bytes(b"\x01" if flag else b"\x00", group)]
+
+
+class CompileRendezvous:
+    """Where the ranks meet before each graph compile, through the process group's store.
+
+    A rank whose guards fail (a shape, dtype or branch that only it saw) compiles alone, while
+    its peers run the graphs compiled before. The compile's exchanges (the rank check, the
+    profile) would then meet a peer's parameter all-gather: gloo aborts the process on the
+    mismatch, NCCL hangs. The store cannot be mismatched: each rank marks its arrival at its
+    n-th compile and waits, up to `timeout`, for every peer's mark. A rank that waits in vain
+    records why (`diverged`) and raises; a peer whose collective then fails finds the record
+    (`explain`) and raises the same error.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, uid: str, timeout: datetime.timedelta | None):
+        self.store = dist.distributed_c10d._get_process_group_store(group)
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.prefix = f"zrs/{uid}"
+        self.timeout = timeout or self.store.timeout
+        self.arrived = 0  # compiles this rank has arrived at
+
+    def _key(self, n: int, rank: int) -> str:
+        return f"{self.prefix}/compile{n}/rank{rank}"
+
+    def arrive(self, what: str) -> None:
+        """Wait until every rank has arrived at this compile; ZrsError naming the ranks that did
+        not within the timeout."""
+        n = self.arrived
+        self.arrived += 1
+        self.store.set(f"{self.prefix}/at/rank{self.rank}", str(n + 1))
+        self.store.set(self._key(n, self.rank), what)
+        keys = [self._key(n, r) for r in range(self.world)]
+        try:
+            self.store.wait(keys, self.timeout)
+        except dist.DistStoreError:
+            missing = [r for r in range(self.world) if not self.store.check([keys[r]])]
+            message = (
+                f"rank(s) {missing} did not compile {what} within "
+                f"{self.timeout.total_seconds():.0f} s while rank {self.rank} did: a rank "
+                "compiled a graph alone (an input shape, dtype or branch that only it saw), "
+                "and its peers ran the graphs compiled before. Every rank must capture the "
+                "same graphs: keep the input sizes symbolic (zrs.compile(dynamic=True), the "
+                "default with several ranks), make control flow independent of the rank, or "
+                "pad the batches to equal shapes"
+            )
+            self.store.set(f"{self.prefix}/diverged", message)
+            raise ZrsError(message) from None
+
+    def explain(self) -> str | None:
+        """Why a collective of this rank failed, if a peer waits at (or gave up on) a compile
+        that this rank never reached; None for any other failure."""
+        diverged = f"{self.prefix}/diverged"
+        at = self.store.multi_get([f"{self.prefix}/at/rank{r}" for r in range(self.world)])
+        ahead = any(int(n) > self.arrived for n in at if n)
+        if not ahead and not self.store.check([diverged]):
+            return None
+        try:
+            self.store.wait([diverged], self.timeout)
+        except dist.DistStoreError:
+            return None
+        return self.store.get(diverged).decode()

@@ -17,7 +17,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from zrs import streams
 from zrs._core import Registry, ZrsError
-from zrs.exchange import keep_alive
+from zrs.exchange import CompileRendezvous, keep_alive
 
 # Gradient buckets hold at most this many elements (per rank, all shards together); the
 # compiler plans each backward's buckets within it (passes/grad_buckets.py). 16M: about one
@@ -64,10 +64,25 @@ class ZeroState:
     # Wall seconds of zrs's own compile work, summed over graphs (compiler): "lower", "profile",
     # "plan", "keep", "buckets" and the collective "sweep"; dynamo and inductor take the rest.
     compile_s: dict[str, float] = field(default_factory=dict)
+    # Where the ranks meet before each graph compile (None for one rank).
+    rendezvous: CompileRendezvous | None = None
 
     def __post_init__(self) -> None:
         if self.reduce_group is None:
             self.reduce_group = self.group
+
+    def wait(self, work: dist.Work | None) -> None:
+        """Wait for a collective; when it fails because a peer compiled a graph that this rank
+        did not, raise the ZrsError that says so instead of the transport's error."""
+        if work is None:
+            return
+        try:
+            work.wait()
+        except Exception as exc:
+            why = self.rendezvous.explain() if self.rendezvous is not None else None
+            if why is None:
+                raise
+            raise ZrsError(why) from exc
 
 
 @dataclass(eq=False)
@@ -167,7 +182,7 @@ def gather_full(h: ParamHandle, shard: torch.Tensor, dtype: torch.dtype | None) 
     """Synchronous all-gather of one parameter (the functional op and full_state_dict use it)."""
     dtype = dtype or shard.dtype
     buf = torch.empty(h.padded_numel, dtype=dtype, device=shard.device)
-    all_gather(buf, shard.detach().to(dtype).reshape(-1), h.state.group, async_op=False)
+    h.state.wait(all_gather(buf, shard.detach().to(dtype).reshape(-1), h.state.group, True))
     return buf.narrow(0, 0, h.numel).view(h.shape)
 
 
@@ -179,7 +194,7 @@ def reduce_scatter_full(h: ParamHandle, grad: torch.Tensor) -> torch.Tensor:
     )
     torch.ops.zrs.pack_grads([grad], state.world_size, 1.0 / state.world_size, packed)
     out = torch.empty(h.shard_numel, dtype=state.reduce_dtype, device=grad.device)
-    reduce_scatter(out, packed.view(-1), state.group, async_op=False)
+    state.wait(reduce_scatter(out, packed.view(-1), state.group, async_op=True))
     return out.to(h.shard.dtype)
 
 
@@ -200,8 +215,7 @@ class _InFlight:
 
     def complete(self) -> None:
         streams.wait_for(self.done)
-        if self.work is not None:
-            self.work.wait()
+        self.members[0][0].state.wait(self.work)
         if not self.fused:
             return
         self.unpack()
@@ -482,8 +496,7 @@ def _flush(key: tuple[int, torch.dtype]) -> None:
 def _complete(r: _Reduce) -> None:
     """Wait for one reduce-scatter and accumulate its shards into the parameters' `.grad`."""
     streams.wait_for(r.done)
-    if r.work is not None:
-        r.work.wait()
+    r.members[0][0].state.wait(r.work)
     for h, off in r.members:
         g = r.out.narrow(0, off, h.shard_numel)
         if h.shard.grad is None:

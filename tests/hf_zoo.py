@@ -190,9 +190,14 @@ def generate(model: nn.Module) -> Tensor:
     return out.cpu()
 
 
-def _causal(name: str, factory, salt: int, **kw) -> list[ZooModel]:
+def _causal(name: str, factory, salt: int, varlen: bool = False, **kw) -> list[ZooModel]:
+    """The model, and with `varlen` also on variable-length batches (Llama without biases and
+    GPT-2 with them: the mechanism is the same for every model, and the zoo must stay cheap)."""
+    fixed = ZooModel(name, factory, _tokens(salt), _causal_loss, generate=generate, seed=salt, **kw)
+    if not varlen:
+        return [fixed]
     return [
-        ZooModel(name, factory, _tokens(salt), _causal_loss, generate=generate, seed=salt, **kw),
+        fixed,
         ZooModel(
             f"{name}_varlen", factory, _tokens(salt, varlen=True), _causal_loss, seed=salt, **kw
         ),
@@ -202,13 +207,14 @@ def _causal(name: str, factory, salt: int, **kw) -> list[ZooModel]:
 HF_ZOO: dict[str, ZooModel] = {
     m.name: m
     for m in [
-        *_causal("hf_llama", _llama, 11),
+        *_causal("hf_llama", _llama, 11, varlen=True),
         *_causal("hf_qwen2", _qwen2, 12),
         *_causal("hf_mistral", _mistral, 13),
         *_causal(
             "hf_gpt2",
             _gpt2,
             14,
+            varlen=True,
             tied=(("transformer.wte.weight", "lm_head.weight"),),
         ),
         ZooModel("hf_bert", _bert, _masked_batch, _masked_loss, seed=15),

@@ -64,10 +64,11 @@ def _same_device(cast: fx.Node) -> bool:
 
 def alias_closure(node: fx.Node) -> list[fx.Node]:
     """`node` and every node whose output aliases it through views, in discovery order."""
-    seen, stack = [node], [node]
+    seen, stack, members = [node], [node], {node}
     while stack:
         for user in stack.pop().users:
-            if is_view(user) and user not in seen:
+            if user not in members and is_view(user):
+                members.add(user)
                 seen.append(user)
                 stack.append(user)
     return seen

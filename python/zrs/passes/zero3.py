@@ -36,10 +36,6 @@ class Lowered:
     reduced: list[int]  # ds_ids sent to reduce_grad
 
 
-def _order(graph: fx.Graph) -> dict[fx.Node, int]:
-    return {n: i for i, n in enumerate(graph.nodes)}
-
-
 def _lower_gather(graph: fx.Graph, g: fx.Node, graph_id: int, out: Lowered) -> None:
     shard, ds_id = g.args[0], g.args[1]
     dtype = g.kwargs.get("dtype", g.args[3] if len(g.args) > 3 else None)
@@ -62,25 +58,28 @@ def _lower_gather(graph: fx.Graph, g: fx.Node, graph_id: int, out: Lowered) -> N
         graph.erase_node(target)
     graph.erase_node(g)
 
+    # Nodes compare by their position in the graph (fx keeps a sort key on insertion), so no
+    # pass over the whole graph per gather: the lowering stays linear in the graph's size.
     closure = alias_closure(wait)
-    output = next(iter(graph.find_nodes(op="output")))
-    if any(a in closure for a in output.all_input_nodes):
+    members = set(closure)
+    escaping = [a for a in closure if any(u.op == "output" for u in a.users)]
+    if escaping:
         # The parameter escapes the graph (returned, or saved for backward): hand out a copy so
         # the gathered buffer can still be freed.
+        output = next(iter(graph.find_nodes(op="output")))
         with graph.inserting_before(output):
-            for a in [a for a in output.all_input_nodes if a in closure]:
+            for a in escaping:
                 copy = graph.call_function(torch.ops.aten.clone.default, (a,))
                 copy.meta["val"] = val(a)
                 output.replace_input_with(a, copy)
-    order = _order(graph)
-    real = {u for n in closure for u in n.users if u not in closure}
+    real = {u for n in closure for u in n.users if u not in members}
     out.uses[ds_id] = out.uses.get(ds_id, 0) + len(real)
     # The release depends on the output of every real use (a tuple use: on its getitems), not only
     # the last one: inductor may fuse an earlier use into a kernel it schedules later, and only a
     # data dependency keeps that kernel ahead of the free.
-    anchors = sorted({a for u in real for a in _tensor_outputs(u)}, key=order.__getitem__)
+    anchors = sorted({a for u in real for a in _tensor_outputs(u)})
     anchor = anchors[-1] if anchors else wait
-    point = max([*real, anchor], key=order.__getitem__)
+    point = max([*real, anchor])
     with graph.inserting_after(point):
         rel = graph.call_function(
             OPS.release_param.default, (anchor, graph_id, ds_id, len(real), anchors[:-1])
@@ -139,8 +138,7 @@ def _lower_grads(graph: fx.Graph, graph_id: int, out: Lowered) -> None:
                 f"backward graph {graph_id}: gradient output {i} mixes zrs parameter gradients "
                 f"{sorted(ids)} with other terms; this is a zero3 pass bug, please report it"
             )
-        order = _order(graph)
-        fulls = sorted((leaf.args[0] for leaf in reduced), key=order.__getitem__)
+        fulls = sorted(leaf.args[0] for leaf in reduced)
         if len(fulls) == 1:  # a sum of several terms stays in the wide dtype
             fulls = [_before_upcast(fulls[0])]
         with graph.inserting_before(fulls[-1].next):  # keeps the inserted nodes in order

@@ -18,7 +18,7 @@ from torch import nn
 from torch.fx.experimental import _config as fx_config
 from torch.utils._pytree import tree_map
 
-from zrs import kernels, runtime
+from zrs import hf, kernels, runtime
 from zrs import ops as _ops  # noqa: F401  (registers the torch.ops.zrs namespace)
 from zrs._core import Registry, ZrsError
 from zrs.compiler import BACKENDS, make_backend
@@ -177,6 +177,7 @@ def compile(
         runtime.drop_kept_before_optimizer_steps()
     shard_model(model, state, init_fn)
     model._zrs_state = state
+    hf.adopt_conventions(model)
     if param_dtype is not None:
         model.register_forward_pre_hook(_cast_inputs(param_dtype), with_kwargs=True)
     if dynamic is None and world > 1:

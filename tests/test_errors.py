@@ -144,3 +144,45 @@ def test_the_rank_check_compares_functions_by_name_not_address():
     for msg in messages:
         assert "first difference is node #1" in msg, msg
         assert "test_errors._scaled (%0, 0.5)" in msg and "0.25" in msg, msg
+
+
+class LateBranch(nn.Module):
+    """A Python flag that one rank flips later: that rank recompiles alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, flag: bool):
+        y = self.lin(x)
+        return (torch.tanh(y) if flag else y).sum()
+
+
+def _compiles_alone(rank: int, world: int) -> str:
+    import datetime
+
+    import torch.distributed as dist
+
+    # The group's collectives give up after 30 s, the compile rendezvous after 10 s.
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=30))
+    torch.manual_seed(0)
+    model = zrs.compile(LateBranch(), process_group=group, backend="eager", timeout=10)
+    try:
+        for step in range(3):
+            model(torch.randn(2, 4), rank == 1 and step == 2).backward()
+    except Exception as exc:
+        text = str(exc)
+        return text if isinstance(exc, zrs.ZrsError) else f"{type(exc).__name__}: {text}"
+    return "no error"
+
+
+def test_a_rank_that_compiles_alone_raises_on_every_rank():
+    """Rank 1 recompiles at step 2, rank 0 runs the graph compiled before: rank 1 waits in the
+    rendezvous, rank 0 in a parameter all-gather. Both raise ZrsError naming the graph, instead
+    of gloo aborting on mismatched collectives (or NCCL hanging)."""
+    messages = run_workers(_compiles_alone, 2, timeout=240)
+    for msg in messages:
+        assert "rank(s) [0] did not compile forward graph 1 within 10 s while rank 1 did" in msg, (
+            messages
+        )
+        assert "compiled a graph alone" in msg, messages

@@ -116,7 +116,7 @@ class CompileRendezvous:
         keys = [self._key(n, r) for r in range(self.world)]
         try:
             self.store.wait(keys, self.timeout)
-        except dist.DistStoreError:
+        except RuntimeError:  # DistStoreError, or a FileStore's plain "Wait timeout"
             missing = [r for r in range(self.world) if not self.store.check([keys[r]])]
             message = (
                 f"rank(s) {missing} did not compile {what} within "
@@ -140,6 +140,6 @@ class CompileRendezvous:
             return None
         try:
             self.store.wait([diverged], self.timeout)
-        except dist.DistStoreError:
+        except RuntimeError:  # DistStoreError, or a FileStore's plain "Wait timeout"
             return None
         return self.store.get(diverged).decode()

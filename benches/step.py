@@ -1,13 +1,30 @@
 """Training-step benchmark: zrs against the systems users would pick instead.
 
 Runs under torchrun, one process per GPU, on any number of GPUs (or on the CPU with gloo, for
-development). For each system in ``--systems`` it builds the Llama-style model of ``--preset``
-(benches/llama.py), trains ``--warmup`` steps and then ``--steps`` timed steps with AdamW on random
-tokens, and prints one JSON line (appended to ``--out`` too):
+development; a plain ``python benches/step.py`` is one process, world 1). For each system in
+``--systems`` it builds the model of ``--preset``, trains ``--warmup`` steps and then ``--steps``
+timed steps with AdamW on random tokens, and prints one JSON line (appended to ``--out`` too):
 
     torchrun --standalone --nproc-per-node 2 benches/step.py --preset 1b --systems zrs \\
         --out benches/results/h200x2.jsonl
     python benches/step.py --table benches/results/h200x2.jsonl   # Markdown table of a file
+
+Presets:
+  1b, 7b, tiny     the Llama-style model of benches/llama.py (loss: cross-entropy of fp32 logits)
+  hf_llama_1b      transformers LlamaForCausalLM, TinyLlama-1.1B shape (22 layers, hidden 2048,
+                   32 heads, 4 KV heads); seq 2048, micro-batch 4
+  hf_gpt2_xl       transformers GPT2LMHeadModel, GPT-2 XL shape (48 layers, 1600, 25 heads, tied
+                   head); seq 1024, micro-batch 4
+  hf_llama_tiny, hf_gpt2_tiny   2 layers, dim 64: CPU smoke tests
+The hf_* models (benches/hf_models.py) are built from configs (nothing is downloaded) with
+attn_implementation="sdpa", no dropout, and train on their own loss,
+``model(input_ids=x, labels=x).loss``; FSDP2 shards (and fsdp2_compile compiles) each
+LlamaDecoderLayer / GPT2Block and the root.
+
+--varlen: step i on rank r uses the first L tokens of its batch, L uniform in
+[seq_len // 16, seq_len], drawn from (--seed, r, i), so ranks differ within a step and runs repeat.
+zrs relies on zrs.compile's dynamic shapes at several ranks; at world 1, and for the other
+systems, torch.compile recompiles once and then treats the length as dynamic.
 
 Systems:
   zrs              zrs.compile(model, param_dtype=bf16, reduce_dtype=fp32)
@@ -26,9 +43,16 @@ and always for the DeepSpeed systems, which keep process-global state.
 
 Metrics (times are the maximum over ranks, step by step):
   step_ms_med / step_ms_min   median / minimum of the timed steps (CUDA events on GPUs)
-  tok_s_gpu                   micro_batch * seq_len / median step
+  tok_s_gpu                   micro_batch * seq_len / median step (--varlen too: nominal)
   mfu                         flops_per_token * tokens / (median step * --peak-tflops); flops per
-                              token = 6 * (parameters less the embedding) + 12 * layers * dim * seq
+                              token = 6 * (parameters less the input embeddings; a tied head
+                              counted) + 12 * layers * dim * seq: approximate (no causal saving,
+                              no elementwise ops)
+  tok_s_gpu_real, mfu_real    (--varlen) over the tokens really processed: micro_batch * the sum
+                              of the timed steps' lengths over all ranks / world / the sum of the
+                              step times; with "varlen": true, seq_len_mean (timed steps),
+                              distinct_lengths (over warm-up and timed steps and all ranks),
+                              varlen_range
   peak_GiB                    torch.cuda.max_memory_allocated over the timed steps (max over ranks);
                               peak_GiB_all over the whole system's run (build and warm-up included)
   warmup_s                    wall time from the start of the model build to the end of the first
@@ -48,7 +72,9 @@ import json
 import os
 import pickle
 import platform
+import random
 import shlex
+import socket
 import signal
 import statistics
 import sys
@@ -60,8 +86,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hf_models
+from hf_models import HF_PRESETS
 from llama import PRESETS, Llama, LlamaConfig, init_weights
 from memory_peak import peak_breakdown
 from trace_summary import load, summarize
@@ -83,6 +112,7 @@ ENV_KEYS = (
     "BENCH_CACHE",
 )
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+ALL_PRESETS = (*PRESETS, *HF_PRESETS)
 
 
 def deepspeed_available() -> bool:
@@ -99,11 +129,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog="Run under torchrun; see benches/README.md.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--preset", choices=sorted(PRESETS), default="1b", help="model (default 1b)")
+    p.add_argument(
+        "--preset",
+        choices=ALL_PRESETS,
+        default="1b",
+        help="model (default 1b): benches/llama.py's, or a transformers model (hf_*, "
+        "benches/hf_models.py)",
+    )
     p.add_argument(
         "--systems",
+        nargs="+",
         default=None,
-        help=f"comma-separated, from {','.join(ALL_SYSTEMS)} (default: all available: "
+        help=f"from {','.join(ALL_SYSTEMS)}, comma- or space-separated (default: all available: "
         "the DeepSpeed ones only when deepspeed imports)",
     )
     p.add_argument("--warmup", type=int, default=10, help="untimed steps (default 10; >= 8 for "
@@ -120,6 +157,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, help="sequences per rank per step (preset's)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
     p.add_argument("--layers", type=int, help="override the preset's number of layers")
+    p.add_argument(
+        "--varlen",
+        action="store_true",
+        help="variable-length batches: each step and rank draws its length uniformly from "
+        "[seq_len // 16, seq_len] (seeded by --seed, the step and the rank)",
+    )
     p.add_argument("--param-dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument(
         "--reduce-dtype",
@@ -185,7 +228,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--table", type=Path, metavar="FILE", help="print a Markdown table of FILE")
     args = p.parse_args(argv)
     if args.table is None:
-        systems = args.systems.split(",") if args.systems else default_systems()
+        systems = (
+            [s for arg in args.systems for s in arg.split(",") if s]
+            if args.systems
+            else default_systems()
+        )
         unknown = [s for s in systems if s not in ALL_SYSTEMS]
         if unknown:
             p.error(f"unknown system(s) {','.join(unknown)}; choose from {','.join(ALL_SYSTEMS)}")
@@ -200,9 +247,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 @dataclass
+class ModelSpec:
+    """What the systems need of a preset's model, whichever family it is: benches/llama.py's
+    Llama or a transformers model (benches/hf_models.py)."""
+
+    preset: str
+    micro_batch: int
+    seq_len: int
+    vocab_size: int
+    n_layers: int
+    dim: int
+    n_params: int  # all parameters, tied ones once
+    n_matmul_params: int  # less the input embeddings (token, position); a tied head counted
+    build: Callable[[], nn.Module]  # the model, on torch's current default device
+    blocks: Callable[[nn.Module], nn.ModuleList]  # the decoder blocks, for FSDP2
+    # fn(module) initialising one module's own parameters and buffers, for zrs.compile(init_fn=)
+    # and init_all (None: each module's reset_parameters)
+    init_fn: Callable[[nn.Module], Callable[[nn.Module], None] | None]
+    init_all: Callable[[nn.Module], None]  # initialise a model materialised with to_empty
+    loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]  # (model, x, y) -> loss
+    hf_model: str | None = None  # the transformers class, for hf_* presets
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token: 6 x the parameters that multiply activations, plus
+        12 x layers x dim x seq_len for the attention scores and values (non-causal, as PaLM
+        and torchtitan count them). For the Llama presets this is LlamaConfig.flops_per_token."""
+        t = seq_len or self.seq_len
+        return 6 * self.n_matmul_params + 12 * self.n_layers * self.dim * t
+
+    def materialize(self, model: nn.Module, device: torch.device) -> None:
+        """to_empty (a meta model) and initialise."""
+        model.to_empty(device=device)
+        if self.hf_model is not None:
+            hf_models.retie(model)
+        self.init_all(model)
+
+
+@dataclass
 class Ctx:
     args: argparse.Namespace
-    cfg: LlamaConfig
+    spec: ModelSpec
     rank: int
     world: int
     local_rank: int
@@ -241,6 +325,53 @@ def make_config(args: argparse.Namespace) -> LlamaConfig:
     return cfg
 
 
+def llama_spec(args: argparse.Namespace) -> ModelSpec:
+    cfg = make_config(args)
+    return ModelSpec(
+        preset=args.preset,
+        micro_batch=cfg.micro_batch,
+        seq_len=cfg.seq_len,
+        vocab_size=cfg.vocab_size,
+        n_layers=cfg.n_layers,
+        dim=cfg.dim,
+        n_params=cfg.n_params(),
+        n_matmul_params=cfg.n_params(embedding=False),
+        build=lambda: Llama(cfg),
+        blocks=lambda model: model.layers,
+        init_fn=lambda model: None,
+        init_all=init_weights,
+        loss=lambda model, x, y: model(x, y),
+    )
+
+
+def hf_spec(args: argparse.Namespace) -> ModelSpec:
+    p = HF_PRESETS[args.preset]
+    seq_len = args.seq_len or p.seq_len
+    config = hf_models.hf_config(p, n_layers=args.layers, seq_len=seq_len)
+    with torch.device("meta"):
+        n_params, n_matmul = hf_models.n_params(hf_models.build(p, config))
+    return ModelSpec(
+        preset=args.preset,
+        micro_batch=args.micro_batch or p.micro_batch,
+        seq_len=seq_len,
+        vocab_size=p.vocab_size,
+        n_layers=args.layers or p.n_layers,
+        dim=p.dim,
+        n_params=n_params,
+        n_matmul_params=n_matmul,
+        build=lambda: hf_models.build(p, config),
+        blocks=hf_models.blocks,
+        init_fn=hf_models.init_fn,
+        init_all=hf_models.init_all,
+        loss=hf_models.loss,
+        hf_model=p.model_class,
+    )
+
+
+def make_spec(args: argparse.Namespace) -> ModelSpec:
+    return hf_spec(args) if args.preset in HF_PRESETS else llama_spec(args)
+
+
 def adamw(params, ctx: Ctx) -> torch.optim.Optimizer:
     return torch.optim.AdamW(
         params,
@@ -251,9 +382,11 @@ def adamw(params, ctx: Ctx) -> torch.optim.Optimizer:
     )
 
 
-def plain_step(model, opt) -> Callable:
+def plain_step(model, opt, spec: ModelSpec) -> Callable:
+    loss_of = spec.loss
+
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = model(x, y)
+        loss = loss_of(model, x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -262,22 +395,61 @@ def plain_step(model, opt) -> Callable:
     return step
 
 
-def make_batches(ctx: Ctx, n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``n`` fixed random-token batches per rank, each rank its own, cycled through the steps."""
-    g = torch.Generator().manual_seed(ctx.args.seed * 1000 + ctx.rank)
-    cfg = ctx.cfg
-    out = []
-    for _ in range(n):
-        tok = torch.randint(0, cfg.vocab_size, (cfg.micro_batch, cfg.seq_len + 1), generator=g)
-        out.append(
-            (tok[:, :-1].contiguous().to(ctx.device), tok[:, 1:].contiguous().to(ctx.device))
-        )
-    return out
+def varlen_range(seq_len: int) -> tuple[int, int]:
+    """--varlen: the lengths drawn from, inclusive: [seq_len // 16 (at least 2), seq_len]."""
+    return max(2, seq_len // 16), seq_len
 
 
-def meta_model(cfg: LlamaConfig) -> Llama:
+def varlen_length(seed: int, rank: int, step: int, seq_len: int) -> int:
+    """--varlen: the sequence length of ``step`` on ``rank``, uniform in ``varlen_range``; the
+    same in every run, and computable on any rank."""
+    return random.Random(f"varlen/{seed}/{rank}/{step}").randint(*varlen_range(seq_len))
+
+
+class Data:
+    """The batches of one rank: ``n`` fixed random-token batches of (micro_batch, seq_len) per
+    rank, each rank its own (seeded by --seed and the rank), cycled through the steps. With
+    --varlen, step ``i`` takes the first ``varlen_length(.., i, ..)`` tokens of its batch (copied
+    to a contiguous tensor, before the timed steps)."""
+
+    def __init__(self, ctx: Ctx, n: int = 4):
+        self.ctx = ctx
+        g = torch.Generator().manual_seed(ctx.args.seed * 1000 + ctx.rank)
+        spec = ctx.spec
+        self.batches = []
+        for _ in range(n):
+            tok = torch.randint(
+                0, spec.vocab_size, (spec.micro_batch, spec.seq_len + 1), generator=g
+            )
+            self.batches.append(
+                (tok[:, :-1].contiguous().to(ctx.device), tok[:, 1:].contiguous().to(ctx.device))
+            )
+        self.sliced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def length(self, step: int, rank: int | None = None) -> int:
+        spec = self.ctx.spec
+        if not self.ctx.args.varlen:
+            return spec.seq_len
+        rank = self.ctx.rank if rank is None else rank
+        return varlen_length(self.ctx.args.seed, rank, step, spec.seq_len)
+
+    def prepare(self, steps: range) -> None:
+        for i in steps:
+            self(i)
+
+    def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.batches[step % len(self.batches)]
+        if not self.ctx.args.varlen:
+            return x, y
+        if step not in self.sliced:
+            t = self.length(step)
+            self.sliced[step] = (x[:, :t].contiguous(), y[:, :t].contiguous())
+        return self.sliced[step]
+
+
+def meta_model(spec: ModelSpec) -> nn.Module:
     with torch.device("meta"):
-        return Llama(cfg)
+        return spec.build()
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,10 +459,12 @@ def meta_model(cfg: LlamaConfig) -> Llama:
 def build_zrs(ctx: Ctx) -> Built:
     import zrs
 
-    model = meta_model(ctx.cfg)
+    spec = ctx.spec
+    model = meta_model(spec)
     torch.manual_seed(ctx.args.seed)
     zrs.compile(
         model,
+        init_fn=spec.init_fn(model),
         param_dtype=ctx.param_dtype,
         reduce_dtype=ctx.reduce_dtype,
         backend=ctx.args.zrs_backend,
@@ -299,7 +473,7 @@ def build_zrs(ctx: Ctx) -> Built:
     )
     opt = adamw(model.parameters(), ctx)
     return Built(
-        plain_step(model, opt),
+        plain_step(model, opt, spec),
         ctx.world,
         ctx.args.reduce_dtype,
         (model, opt),
@@ -313,34 +487,36 @@ def build_fsdp2(ctx: Ctx, compiled: bool) -> Built:
 
     mesh = init_device_mesh(ctx.device.type, (ctx.world,))
     mp = MixedPrecisionPolicy(param_dtype=ctx.param_dtype, reduce_dtype=ctx.reduce_dtype)
-    model = meta_model(ctx.cfg)
-    n = len(model.layers)
+    spec = ctx.spec
+    model = meta_model(spec)
+    layers = spec.blocks(model)  # Llama's Blocks, LlamaDecoderLayer's or GPT2Block's
+    n = len(layers)
     for i in range(n):
-        block = model.layers[i]
+        block = layers[i]
         if compiled:
             # As torchtitan does: compile each block, then shard the compiled wrapper, so that
             # FSDP2's hooks run outside the compiled region.
             block = torch.compile(block, backend=ctx.args.compile_backend, fullgraph=True)
-            model.layers[i] = block
+            layers[i] = block
         # The last block is needed again right at the start of backward: keep it unsharded.
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < n - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp)  # embedding, final norm, head
     model.to_empty(device=ctx.device)
     torch.manual_seed(ctx.args.seed)
-    init_weights(model)
+    spec.init_all(model)
     opt = adamw(model.parameters(), ctx)
-    return Built(plain_step(model, opt), ctx.world, ctx.args.reduce_dtype, (model, opt))
+    return Built(plain_step(model, opt, spec), ctx.world, ctx.args.reduce_dtype, (model, opt))
 
 
 def build_single(ctx: Ctx) -> Built:
-    model = meta_model(ctx.cfg)
-    model.to_empty(device=ctx.device)
+    spec = ctx.spec
+    model = meta_model(spec)
     torch.manual_seed(ctx.args.seed)
-    init_weights(model)
+    spec.materialize(model, ctx.device)
     model.to(ctx.param_dtype)
     model.compile(backend=ctx.args.compile_backend)
     opt = adamw(model.parameters(), ctx)
-    return Built(plain_step(model, opt), 1, "none", (model, opt))
+    return Built(plain_step(model, opt, spec), 1, "none", (model, opt))
 
 
 def build_deepspeed(ctx: Ctx, deepcompile: bool) -> Built:
@@ -350,7 +526,7 @@ def build_deepspeed(ctx: Ctx, deepcompile: bool) -> Built:
         raise ValueError("the DeepSpeed systems are configured for --param-dtype bf16 only")
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts our process group
     config = {
-        "train_micro_batch_size_per_gpu": ctx.cfg.micro_batch,
+        "train_micro_batch_size_per_gpu": ctx.spec.micro_batch,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
@@ -363,12 +539,12 @@ def build_deepspeed(ctx: Ctx, deepcompile: bool) -> Built:
     if ctx.args.ds_init == "zero_init":
         # DeepSpeed's way for ZeRO-3: each module is partitioned as soon as it is constructed.
         with deepspeed.zero.Init(config_dict_or_path=config):
-            model = Llama(ctx.cfg)
+            model = ctx.spec.build()
     else:
         # The full fp32 model on this GPU; deepspeed.initialize partitions it and frees the rest
         # (7b: 27 GB for a moment).
         with torch.device(ctx.device):
-            model = Llama(ctx.cfg)
+            model = ctx.spec.build()
     opt = adamw(model.parameters(), ctx)
     engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     del model
@@ -380,8 +556,10 @@ def build_deepspeed(ctx: Ctx, deepcompile: bool) -> Built:
         )
         engine.compile(backend="inductor")
 
+    loss_of = ctx.spec.loss
+
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = engine(x, y)
+        loss = loss_of(engine, x, y)
         engine.backward(loss)
         engine.step()
         return loss.detach()
@@ -421,11 +599,12 @@ def max_memory(device: torch.device) -> float:
 
 def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
     """Build ``system``, warm it up, time it; the record (complete on rank 0)."""
-    args, device, cfg = ctx.args, ctx.device, ctx.cfg
+    args, device, spec = ctx.args, ctx.device, ctx.spec
     warmup = args.warmup
     if system == "deepcompile":
         warmup = max(warmup, DEEPCOMPILE_MIN_WARMUP)
-    batches = make_batches(ctx)
+    data = Data(ctx)
+    data.prepare(range(warmup + args.steps + TRACE_STEPS + 1))  # --varlen: sliced ahead
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -434,7 +613,7 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
     loss = None
     first_step_s = 0.0
     for i in range(warmup):
-        loss = built.step(*batches[i % len(batches)])
+        loss = built.step(*data(i))
         if i == 0:
             sync(device)
             first_step_s = time.perf_counter() - t0
@@ -455,14 +634,14 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
         ]
         for i, (start, end) in enumerate(events):
             start.record()
-            loss = built.step(*batches[(warmup + i) % len(batches)])
+            loss = built.step(*data(warmup + i))
             end.record()
         sync(device)
         step_s = [start.elapsed_time(end) / 1e3 for start, end in events]
     else:
         for i in range(args.steps):
             s = time.perf_counter()
-            loss = built.step(*batches[(warmup + i) % len(batches)])
+            loss = built.step(*data(warmup + i))
             step_s.append(time.perf_counter() - s)
     wall_s = time.perf_counter() - w0
     peak = max_memory(device)
@@ -481,7 +660,7 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
     vals = maxes.tolist()
     step_s, (wall_s, peak, peak_all, first_step_s, warmup_total_s) = vals[: args.steps], vals[-5:]
     med = statistics.median(step_s)
-    tokens = cfg.micro_batch * cfg.seq_len
+    tokens = spec.micro_batch * spec.seq_len
     record = {
         "system": system,
         "preset": args.preset,
@@ -491,7 +670,7 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
         "step_ms_min": round(min(step_s) * 1e3, 2),
         "step_ms_mean_wall": round(wall_s / args.steps * 1e3, 2),
         "tok_s_gpu": round(tokens / med, 1),
-        "mfu": round(cfg.flops_per_token() * tokens / med / (args.peak_tflops * 1e12), 4),
+        "mfu": round(spec.flops_per_token() * tokens / med / (args.peak_tflops * 1e12), 4),
         "peak_GiB": round(peak, 2),
         "peak_GiB_all": round(max(peak_all, peak), 2),
         "warmup_s": round(first_step_s, 2),
@@ -499,13 +678,20 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
         "loss": round(loss_t.item(), 4),
         "warmup_steps": warmup,
         "steps": args.steps,
-        "params_M": round(cfg.n_params() / 1e6, 1),
-        "micro_batch": cfg.micro_batch,
-        "seq_len": cfg.seq_len,
-        "layers": cfg.n_layers,
+        "params_M": round(spec.n_params / 1e6, 1),
+        "micro_batch": spec.micro_batch,
+        "seq_len": spec.seq_len,
+        "layers": spec.n_layers,
         "param_dtype": args.param_dtype,
         "reduce_dtype": built.reduce_dtype,
     }
+    if spec.hf_model is not None:
+        import transformers
+
+        record["hf_model"] = spec.hf_model
+        record["transformers"] = transformers.__version__
+    if args.varlen:
+        record.update(varlen_metrics(data, built.world, warmup, step_s))
     if system == "zrs":
         record["zrs_backend"] = args.zrs_backend
         record["zrs_scheduler"] = args.zrs_scheduler
@@ -523,20 +709,43 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
         record["compile_backend"] = args.compile_backend
     record.update(built.versions or {})
     if args.trace is not None:
-        record.update(profile_steps(system, ctx, built, batches, warmup + args.steps))
+        record.update(profile_steps(system, ctx, built, data, warmup + args.steps))
     if args.memory is not None and device.type == "cuda":
-        record["memory_at_peak"] = memory_step(system, ctx, built, batches, warmup + args.steps)
+        record["memory_at_peak"] = memory_step(system, ctx, built, data, warmup + args.steps)
     if built.close is not None:
         built.close()
     del built, loss
     return record
 
 
+def varlen_metrics(data: Data, world: int, warmup: int, step_s: list[float]) -> dict:
+    """--varlen: throughput over the tokens really processed. Every rank's lengths follow from the
+    seed, the step and the rank, so rank 0 computes them all; ``step_s`` are the timed steps'
+    times (slowest rank per step)."""
+    spec, n = data.ctx.spec, len(step_s)
+    timed = [data.length(warmup + i, r) for i in range(n) for r in range(world)]
+    seen = {data.length(i, r) for i in range(warmup + n) for r in range(world)}
+    tokens = spec.micro_batch * sum(timed)  # all ranks
+    flops = spec.micro_batch * sum(t * spec.flops_per_token(t) for t in timed)
+    total_s = sum(step_s)
+    peak = data.ctx.args.peak_tflops * 1e12
+    return {
+        "varlen": True,
+        "tok_s_gpu_real": round(tokens / world / total_s, 1),
+        "mfu_real": round(flops / world / total_s / peak, 4),
+        "seq_len_mean": round(sum(timed) / len(timed), 1),
+        "varlen_range": list(varlen_range(spec.seq_len)),
+        "distinct_lengths": len(seen),
+    }
+
+
 TRACE_STEPS = 3
 TRACE_TOP = 20
 
 
-def profile_steps(system: str, ctx: Ctx, built: Built, batches: list, start: int) -> dict:
+
+
+def profile_steps(system: str, ctx: Ctx, built: Built, data: Data, start: int) -> dict:
     """Run TRACE_STEPS more steps under torch.profiler (after the timed ones, so they are not
     slowed): a Chrome trace per rank in --trace DIR, and the ops with the most device (else CPU)
     self time per step, for the record."""
@@ -548,7 +757,7 @@ def profile_steps(system: str, ctx: Ctx, built: Built, batches: list, start: int
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities) as prof:
         for i in range(TRACE_STEPS):
-            built.step(*batches[(start + i) % len(batches)])
+            built.step(*data(start + i))
         sync(device)
     args.trace.mkdir(parents=True, exist_ok=True)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -566,14 +775,14 @@ def profile_steps(system: str, ctx: Ctx, built: Built, batches: list, start: int
     }
 
 
-def memory_step(system: str, ctx: Ctx, built: Built, batches: list, start: int) -> dict:
+def memory_step(system: str, ctx: Ctx, built: Built, data: Data, start: int) -> dict:
     """One more step with the allocator's history on; its snapshot goes to --memory DIR and what
     was live at its peak (rank 0's) into the record."""
     args, device = ctx.args, ctx.device
     sync(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
-    built.step(*batches[start % len(batches)])
+    built.step(*data(start))
     sync(device)
     args.memory.mkdir(parents=True, exist_ok=True)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -592,9 +801,12 @@ def environment(ctx: Ctx) -> dict:
     else:
         name, nccl = f"cpu ({platform.processor() or platform.machine()})", None
     env = {k: os.environ[k] for k in ENV_KEYS if k in os.environ}
-    command = ctx.args.command or shlex.join(
-        ["torchrun", f"--nproc-per-node={ctx.world}", *sys.argv]
+    launcher = (
+        ["python"]
+        if _STANDALONE
+        else ["torchrun", f"--nproc-per-node={ctx.world}"]
     )
+    command = ctx.args.command or shlex.join([*launcher, *sys.argv])
     return {
         "device": name,
         "torch": torch.__version__,
@@ -637,6 +849,8 @@ def run_one(system: str, ctx: Ctx) -> dict | None:
         return None  # the single-GPU bound runs on rank 0 alone
     distributed = not single  # every sharded system gets a process group, world 1 included
     base = {"system": system, "preset": ctx.args.preset, "tag": ctx.args.tag}
+    if ctx.args.varlen:
+        base["varlen"] = True
     try:
         if system in DEEPSPEED_SYSTEMS:
             if not deepspeed_available():
@@ -669,7 +883,30 @@ def run_one(system: str, ctx: Ctx) -> dict | None:
     return record
 
 
+_STANDALONE: list[bool] = []  # [True] when run without torchrun
+
+
+def standalone_env() -> None:
+    """Run as a plain ``python benches/step.py`` (no torchrun): one process, world 1, its process
+    groups on a free local port."""
+    if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+        return
+    _STANDALONE.append(True)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+
+
 def worker(args: argparse.Namespace) -> None:
+    standalone_env()
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -685,7 +922,7 @@ def worker(args: argparse.Namespace) -> None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         torch.set_num_threads(max(1, (cores or 1) // local_world))
     torch.set_float32_matmul_precision("high")
-    ctx = Ctx(args, make_config(args), rank, world, local_rank, device)
+    ctx = Ctx(args, make_spec(args), rank, world, local_rank, device)
     records = []
     for system in args.systems:
         record = run_one(system, ctx)
@@ -707,10 +944,12 @@ def _fmt(v, spec: str = "") -> str:
 
 
 def table(records: list[dict]) -> str:
-    """Markdown table, the latest record per (preset, world, system, tag)."""
+    """Markdown table, the latest record per (preset, world, system, tag, varlen). --varlen rows
+    (tag "+varlen") show the throughput and MFU over the real tokens."""
     latest: dict[tuple, dict] = {}
     for r in records:
-        key = (r.get("preset"), r.get("world"), r.get("system"), r.get("tag", ""))
+        tag = r.get("tag", "") + ("+varlen" if r.get("varlen") else "")
+        key = (r.get("preset"), r.get("world"), r.get("system"), tag)
         latest.pop(key, None)
         latest[key] = r
     rows = [
@@ -727,11 +966,13 @@ def table(records: list[dict]) -> str:
             err = r["error"].splitlines()[0][:80].replace("|", "/")
             cells = [f"error: {err}", "", "", "", "", "", ""]
         else:
+            real = "_real" if r.get("varlen") else ""
+            mfu = r.get("mfu" + real)
             cells = [
                 _fmt(r.get("step_ms_med"), ".1f"),
                 _fmt(r.get("step_ms_min"), ".1f"),
-                _fmt(r.get("tok_s_gpu"), ",.0f"),
-                f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "",
+                _fmt(r.get("tok_s_gpu" + real), ",.0f"),
+                f"{100 * mfu:.1f}%" if mfu is not None else "",
                 _fmt(r.get("peak_GiB"), ".2f"),
                 _fmt(r.get("warmup_s"), ".1f"),
                 _fmt(r.get("loss"), ".3f"),

@@ -30,9 +30,6 @@ def test_num_parameters_counts_full_parameters(name):
     assert got == expected
 
 
-# Dynamo reads `.grad` of the logits when it resumes transformers' loss after its graph break
-# (torch 2.11); under this process's `error` filter that warning aborts the trace.
-@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
 def test_save_pretrained_writes_full_weights_that_from_pretrained_loads(tmp_path):
     spec = HF_ZOO["hf_gpt2"]
     model = zrs.compile(spec.build(), backend="eager")

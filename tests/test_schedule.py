@@ -19,7 +19,7 @@ from torch._inductor import config as inductor_config
 
 import zrs
 from _dist import run_workers
-from zoo import LR, MOMENTUM, STEPS, ZOO, compare_params, train_reference
+from zoo import LR, MOMENTUM, STEPS, ZOO, compare_params, spec_of, train_reference
 from zrs import compiler, runtime
 from zrs import plan as zplan
 from zrs.passes import schedule
@@ -50,7 +50,7 @@ def _lowered_graphs(model_name: str, backend: str) -> list[fx.Graph]:
         graphs.append(_copy(graph))
         return out
 
-    spec = ZOO[model_name]
+    spec = spec_of(model_name)
     mp = pytest.MonkeyPatch()
     mp.setattr(compiler, "lower_zero3", spy)
     try:
@@ -659,3 +659,41 @@ def test_profile_runs_constants_and_symbolic_sizes(monkeypatch, backend):
     symbolic = [h for _, h in timed if h]
     assert symbolic and all(v in (9, 13) for h in symbolic for v in h.values()), timed
     assert profile.concrete(5, {}) == 5
+
+
+def _gathered_peak(graph: fx.Graph) -> int:
+    """The most gathered bytes held at once along the graph's order (a prefetch gathers all of
+    its members where it stands)."""
+    live: dict[int, int] = {}
+    peak = 0
+    for n in graph.nodes:
+        if is_op(n, "prefetch_params_fused"):
+            size = {ag.args[2]: schedule._bytes(ag.meta["val"]) for ag in n.users}
+            live.update(size)
+        elif is_op(n, "allgather_param"):
+            live.setdefault(n.args[2], schedule._bytes(n.meta["val"]))
+        elif is_op(n, "release_param"):
+            live.pop(n.args[2], None)
+        peak = max(peak, sum(live.values()))
+    return peak
+
+
+@pytest.mark.parametrize("scheduler", ["greedy", "search"])
+@pytest.mark.parametrize("model", ["bias_stack", "gpt_tied", "hf_gpt2", "hf_bert", "hf_t5"])
+def test_released_means_released(model, scheduler):
+    """Where several parameters meet in one op (a weight and its bias, tied or chunked weights),
+    every plan holds no more gathered bytes than the unplanned order (each released after its
+    last use) plus the prefetch allowance."""
+    for graph in lowered(model):
+        gathers = [
+            schedule._bytes(n.meta["val"]) for n in graph.nodes if is_op(n, "allgather_param")
+        ]
+        if not gathers:
+            continue
+        unplanned = _gathered_peak(graph)
+        ctx = schedule.ScheduleContext(scheduler=scheduler, profile=False)
+        backward = bool(graph.find_nodes(op="call_function", target=OPS.end_backward.default))
+        schedule.schedule_graph(graph, 0, is_backward=backward, ctx=ctx)
+        allowance = schedule.PREFETCH_ALLOWANCE_GATHERS * max(gathers)
+        planned = _gathered_peak(graph)
+        assert planned <= unplanned + allowance, (model, backward, planned, unplanned, allowance)

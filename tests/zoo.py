@@ -227,6 +227,23 @@ class Chunked(nn.Module):
         return torch.cat([h @ p1.T, torch.tanh(h @ p2.T)], dim=-1) + self.bias
 
 
+# --- a stack of layers with biases -------------------------------------------------------------
+
+
+class BiasStack(nn.Module):
+    """Each op reads a weight and a bias (addmm): the planner once held every weight gathered to
+    the end of the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(9, 9) for _ in range(6))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
 # --- conv layers with buffers (batch norm) ------------------------------------------------------
 
 
@@ -289,6 +306,7 @@ ZOO: dict[str, ZooModel] = {
             seed=6,
         ),
         ZooModel("chunked", Chunked, _regression_batch(6, 7, 7, salt=7), _mse, seed=7),
+        ZooModel("bias_stack", BiasStack, _regression_batch(6, 9, 9, salt=9), _mse, seed=9),
         ZooModel("conv_bn", ConvBN, _conv_batch, _mse, seed=8),
     ]
 }
@@ -411,7 +429,9 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
     output_dtypes: list[torch.dtype] = []
     if case.param_dtype is not None:
         # Evidence that the forward really ran in param_dtype (the output keeps its dtype).
-        model.register_forward_hook(lambda m, args, out: output_dtypes.append(out.dtype))
+        model.register_forward_hook(
+            lambda m, args, out: output_dtypes.append(getattr(out, "logits", out).dtype)
+        )
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     losses = []
     for step in range(case.steps):

@@ -5,7 +5,10 @@
 //! (all-gathers scheduled, bytes gathered on the way to it, compute until free, index) and emit
 //! everything up to and including its release. Otherwise (every candidate needs another gather)
 //! take the least (bytes of the other gathers needed, all-gathers scheduled, bytes gathered,
-//! compute until free, index) and emit only what the gather itself needs. After each pick,
+//! compute until free, index) and emit everything up to its release too, the other gathers it
+//! needs included. (DeepCompile emits only the gather itself there: with a tied embedding, which
+//! every later release needs, that issued every gather of the forward before any release.)
+//! A release is emitted as soon as everything it waits for is. After each pick,
 //! reduce-scatters and graph outputs whose ancestry holds no unscheduled all-gather are emitted
 //! with their requirements; whatever is left goes last in topological order. It has no budget
 //! and makes no fused groups.
@@ -321,7 +324,6 @@ pub fn greedy_order(g: &Graph, dur: &[f64]) -> Vec<u32> {
             }
         }
         let mut chosen: Option<Task> = None;
-        let mut emit_free = true;
         if let Some(&Reverse((b0, _))) = st.level1.peek() {
             let mut tied = Vec::new();
             while let Some(&Reverse((b, y))) = st.level1.peek() {
@@ -381,7 +383,6 @@ pub fn greedy_order(g: &Graph, dur: &[f64]) -> Vec<u32> {
                     .reduce(|a, b| if lt(&free_key(b), &free_key(a)) { b } else { a })
                     .unwrap()
             } else {
-                emit_free = false;
                 tasks
                     .iter()
                     .map(|t| t.0)
@@ -398,11 +399,7 @@ pub fn greedy_order(g: &Graph, dur: &[f64]) -> Vec<u32> {
             chosen = Some(pick);
         }
         let _ = chosen.expect("a candidate all-gather");
-        let nodes = if emit_free {
-            std::mem::take(&mut best_uf)
-        } else {
-            std::mem::take(&mut best_ua)
-        };
+        let nodes = std::mem::take(&mut best_uf);
         st.schedule(&nodes);
         // Reduce-scatters and outputs that no longer wait on any all-gather.
         while let Some(s) = st.ready_sinks.pop() {
@@ -567,7 +564,7 @@ mod tests {
     }
 
     /// Weight and bias used by one op: no gather reaches its release alone, so the fallback emits
-    /// one gather by itself, then the other with the op and both releases.
+    /// the path to the weight's release, the bias's gather included, and then the bias's release.
     #[test]
     fn weight_and_bias_fallback() {
         let mut s = GraphSpec::default();
@@ -581,8 +578,8 @@ mod tests {
         let g = Graph::new(s).unwrap();
         let o = greedy_order(&g, &dur(&g));
         let nm = names(&g, &o);
-        // Fallback key: the bias needs 1000 other bytes, the weight 10: the weight goes alone first.
-        assert_eq!(nm, ["w", "b", "wb", "ww", "addmm", "rb", "rw"]);
+        // Fallback key: the bias needs 1000 other bytes, the weight 10: the weight is picked.
+        assert_eq!(nm, ["w", "ww", "b", "wb", "addmm", "rw", "rb"]);
     }
 
     /// Layers whose op reads a weight and a bias: every weight is released right after its op,

@@ -294,6 +294,13 @@ fn build_base(p: &Problem, greedy: &[u32]) -> Base {
 }
 
 /// List-schedule one variant: returns the order and the fused groups (>= 2 members).
+/// Bytes of gathers issued ahead of their just-in-time slot at any one time, in units of the
+/// graph's largest gather (the prefetch window; Python's `PREFETCH_ALLOWANCE_GATHERS`). The memory
+/// budget alone did not bound it: a forward's saved activations grow to its end, so its start has
+/// that much headroom, and the search filled it with gathers (a stack of 6 biased layers held 4
+/// gathered where released-at-last-use holds 1).
+pub const PREFETCH_WINDOW_GATHERS: i64 = 2;
+
 fn construct(p: &Problem, base: &Base, budget: i64, v: &Variant) -> (Vec<u32>, Vec<Vec<u32>>) {
     let g = p.g;
     let n = g.len();
@@ -308,7 +315,18 @@ fn construct(p: &Problem, base: &Base, budget: i64, v: &Variant) -> (Vec<u32>, V
     let agi = Stream::Allgather.index();
     let mut j = 0usize;
     let half = budget / 2;
+    let largest = base
+        .fifo
+        .iter()
+        .map(|&x| g.nodes[x as usize].alloc as i64)
+        .max()
+        .unwrap_or(0);
+    let window = PREFETCH_WINDOW_GATHERS * largest;
+    // Bytes issued early and not yet at their slot; `due[k]`: those whose slot is k.
+    let mut early = 0i64;
+    let mut due = vec![0i64; m + 1];
     for k in 0..=m {
+        early -= due[k];
         let now = free[c];
         // Compute time until the next slot (an estimate: the node may also wait on a gather).
         let step = if k < m && g.nodes[base.seq[k] as usize].stream == Stream::Compute {
@@ -329,7 +347,7 @@ fn construct(p: &Problem, base: &Base, budget: i64, v: &Variant) -> (Vec<u32>, V
                 if base.earliest[x as usize] as usize > k {
                     break;
                 }
-                if seg.max(k, jx) + alloc > budget {
+                if seg.max(k, jx) + alloc > budget || early + alloc > window {
                     break;
                 }
                 // A latency-bound gather may always ride along with the bucket being issued.
@@ -380,6 +398,8 @@ fn construct(p: &Problem, base: &Base, budget: i64, v: &Variant) -> (Vec<u32>, V
             }
             if !forced {
                 seg.add(k, jx, alloc);
+                early += alloc;
+                due[jx] += alloc;
             }
             order.push(x);
             j += 1;

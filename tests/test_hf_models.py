@@ -18,9 +18,7 @@ import torch
 
 from _dist import cached_run, reemit_warnings
 from hf_zoo import HF_ZOO
-from test_mixed_precision import ATOL as BF16_ATOL
 from test_mixed_precision import LOSS_RTOL as BF16_LOSS_RTOL
-from test_mixed_precision import UPDATE_RTOL
 from zoo import Case, Reference, case_outcome, compare_params, run_cases, train_reference
 
 pytestmark = pytest.mark.slow
@@ -33,6 +31,14 @@ LOSS_RTOL = 1e-5
 # Graphs a variable-length run may compile (forward and backward count once; generate() and
 # transformers' own graph breaks add a few): a recompile per length would be ~3 steps' worth more.
 MAX_GRAPHS = 4
+# bf16 against the bf16-autocast reference: zrs runs every op in bf16, autocast keeps norms,
+# softmax and the loss in fp32, so the two differ by bf16 noise that grows with depth (T5's
+# encoder and decoder without scaling: 10% of an update, 4e-3 absolute, after 3 steps). The
+# bounds stay well below a real bug (a wrong gradient scale is >= 50% of every update). An
+# attention key bias has no true gradient (softmax ignores a shift along the keys): its fp32
+# update is ~1e-8 and its bf16 one pure noise, so parameters that fp32 training leaves in place
+# are held to the absolute bound only.
+BF16_ATOL, UPDATE_RTOL, STILL = 6e-3, 0.15, 1e-5
 
 FP32 = [
     pytest.param(backend, world, model, id=f"{backend}-w{world}-{model}")
@@ -116,12 +122,14 @@ def test_hf_model_bf16_matches_autocast_reference(backend: str, world: int, mode
             if not math.isclose(got, exp[rank], rel_tol=BF16_LOSS_RTOL):
                 problems.append(f"loss of rank {rank} at step {step}: {got!r} != {exp[rank]!r}")
     state = per_rank[0]["state"]
+    fp32 = _reference(model, world, False)
     problems += compare_params(state, ref.final, rtol=0.0, atol=BF16_ATOL)
     for name, final in ref.final.items():
-        if name in state and state[name].shape == final.shape:
+        still = (fp32.final[name] - fp32.init[name]).abs().max() < STILL
+        if name in state and state[name].shape == final.shape and not still:
             want = final - ref.init[name]
             err = (state[name] - final).norm() / want.norm()
-            if want.norm() > 0 and not err <= UPDATE_RTOL:
+            if not err <= UPDATE_RTOL:
                 problems.append(f"{name}: update off by {err:.3g} of its norm (> {UPDATE_RTOL})")
     _fail(model, world, backend, ", param_dtype=bf16", problems)
     for rank, r in enumerate(per_rank):

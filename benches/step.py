@@ -50,9 +50,12 @@ Metrics (times are the maximum over ranks, step by step):
                               no elementwise ops)
   tok_s_gpu_real, mfu_real    (--varlen) over the tokens really processed: micro_batch * the sum
                               of the timed steps' lengths over all ranks / world / the sum of the
-                              step times; with "varlen": true, seq_len_mean (timed steps),
-                              distinct_lengths (over warm-up and timed steps and all ranks),
-                              varlen_range
+                              step times (mfu_real: attention term at each step's length);
+                              tok_s_gpu_real_med: the median of the per-step rates. With
+                              "varlen": true, seq_len_mean (timed steps), distinct_lengths (over
+                              warm-up and timed steps and all ranks), varlen_range and
+                              timed_compiles (graphs dynamo compiled during the timed steps, max
+                              over ranks: 0 unless a new length recompiled there)
   peak_GiB                    torch.cuda.max_memory_allocated over the timed steps (max over ranks);
                               peak_GiB_all over the whole system's run (build and warm-up included)
   warmup_s                    wall time from the start of the model build to the end of the first
@@ -74,8 +77,8 @@ import pickle
 import platform
 import random
 import shlex
-import socket
 import signal
+import socket
 import statistics
 import sys
 import time
@@ -593,6 +596,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def dynamo_graphs() -> int:
+    """Graphs dynamo compiled in this process so far (torch.compile, zrs, DeepCompile)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def max_memory(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
 
@@ -626,6 +636,7 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
 
     step_s: list[float] = []
+    graphs0 = dynamo_graphs()
     w0 = time.perf_counter()
     if device.type == "cuda":
         events = [
@@ -644,11 +655,13 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
             loss = built.step(*data(warmup + i))
             step_s.append(time.perf_counter() - s)
     wall_s = time.perf_counter() - w0
+    timed_graphs = dynamo_graphs() - graphs0
     peak = max_memory(device)
 
-    # Slowest rank per step, peak memory and warm-up: max over ranks; loss: mean over ranks.
+    # Slowest rank per step, peak memory, warm-up and graphs compiled while timed: max over
+    # ranks; loss: mean over ranks.
     maxes = torch.tensor(
-        [*step_s, wall_s, peak, peak_all, first_step_s, warmup_total_s],
+        [*step_s, timed_graphs, wall_s, peak, peak_all, first_step_s, warmup_total_s],
         dtype=torch.float64,
         device=device,
     )
@@ -658,7 +671,10 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
         dist.all_reduce(loss_t)
         loss_t /= built.world
     vals = maxes.tolist()
-    step_s, (wall_s, peak, peak_all, first_step_s, warmup_total_s) = vals[: args.steps], vals[-5:]
+    step_s, (timed_graphs, wall_s, peak, peak_all, first_step_s, warmup_total_s) = (
+        vals[: args.steps],
+        vals[-6:],
+    )
     med = statistics.median(step_s)
     tokens = spec.micro_batch * spec.seq_len
     record = {
@@ -692,6 +708,7 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
         record["transformers"] = transformers.__version__
     if args.varlen:
         record.update(varlen_metrics(data, built.world, warmup, step_s))
+        record["timed_compiles"] = int(timed_graphs)
     if system == "zrs":
         record["zrs_backend"] = args.zrs_backend
         record["zrs_scheduler"] = args.zrs_scheduler
@@ -729,9 +746,14 @@ def varlen_metrics(data: Data, world: int, warmup: int, step_s: list[float]) -> 
     flops = spec.micro_batch * sum(t * spec.flops_per_token(t) for t in timed)
     total_s = sum(step_s)
     peak = data.ctx.args.peak_tflops * 1e12
+    per_step = [
+        spec.micro_batch * sum(timed[i * world : (i + 1) * world]) / world / t
+        for i, t in enumerate(step_s)
+    ]
     return {
         "varlen": True,
         "tok_s_gpu_real": round(tokens / world / total_s, 1),
+        "tok_s_gpu_real_med": round(statistics.median(per_step), 1),
         "mfu_real": round(flops / world / total_s / peak, 4),
         "seq_len_mean": round(sum(timed) / len(timed), 1),
         "varlen_range": list(varlen_range(spec.seq_len)),
@@ -741,8 +763,6 @@ def varlen_metrics(data: Data, world: int, warmup: int, step_s: list[float]) -> 
 
 TRACE_STEPS = 3
 TRACE_TOP = 20
-
-
 
 
 def profile_steps(system: str, ctx: Ctx, built: Built, data: Data, start: int) -> dict:
@@ -801,11 +821,7 @@ def environment(ctx: Ctx) -> dict:
     else:
         name, nccl = f"cpu ({platform.processor() or platform.machine()})", None
     env = {k: os.environ[k] for k in ENV_KEYS if k in os.environ}
-    launcher = (
-        ["python"]
-        if _STANDALONE
-        else ["torchrun", f"--nproc-per-node={ctx.world}"]
-    )
+    launcher = ["python"] if _STANDALONE else ["torchrun", f"--nproc-per-node={ctx.world}"]
     command = ctx.args.command or shlex.join([*launcher, *sys.argv])
     return {
         "device": name,

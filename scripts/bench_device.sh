@@ -4,7 +4,8 @@
 #
 #   bash scripts/bench_device.sh PRESET NPROC OUTFILE [SYSTEM ...]
 #
-#   PRESET   1b, 7b or tiny (benches/llama.py)
+#   PRESET   any step.py preset: 1b, 7b, tiny (benches/llama.py), hf_llama_1b, hf_gpt2_xl,
+#            hf_llama_tiny, hf_gpt2_tiny (transformers models, benches/hf_models.py)
 #   NPROC    GPUs (ranks) per run
 #   OUTFILE  JSON-lines file the results are appended to, e.g. benches/results/h200x2.jsonl
 #   SYSTEM   default: zrs fsdp2_eager fsdp2_compile single, then deepspeed_zero3 and deepcompile
@@ -21,8 +22,8 @@
 #
 # Environment knobs: BENCH_TIMEOUT, BENCH_TAGS (default "nvlink nop2p"; any tag that starts with
 # "nop2p" runs with NCCL_P2P_DISABLE=1, e.g. "nop2p_bf16rs" for a variant), BENCH_ARGS (extra
-# arguments for step.py, e.g. "--warmup 10 --steps 20"), BENCH_LOG_DIR (default /tmp/bench_logs),
-# BENCH_WARM=1 (keep the caches of an earlier call on this machine: no cold run).
+# arguments for step.py, e.g. "--warmup 10 --steps 20" or "--varlen"), BENCH_LOG_DIR (default
+# /tmp/bench_logs), BENCH_WARM=1 (keep the caches of an earlier call on this machine: no cold run).
 # On the device tool's machine ($OUT set to a folder), OUTFILE and a tarball of the logs are
 # copied into $OUT at the end, so that they come back.
 set -uo pipefail

@@ -3,8 +3,7 @@
 As in test_correctness.py, one group of gloo workers per (world size, backend, dtype) trains
 every model in turn, and each test reads its model's result. fp32 runs at world sizes 1, 2 and 3
 and must match the unsharded SGD-momentum reference closely, generate() included; bf16
-(param_dtype) runs at world size 2 against a bf16-autocast reference, with the tolerances of
-test_mixed_precision.py. The `_varlen` models draw a new length per rank and step: they must
+(param_dtype) runs at world size 2 on the eager backend against a bf16-autocast reference. The `_varlen` models draw a new length per rank and step: they must
 train without a recompile per shape.
 """
 
@@ -46,11 +45,9 @@ FP32 = [
     for world in (1, 2, 3)
     for model in MODELS
 ]
-BF16 = [
-    pytest.param(backend, 2, model, id=f"{backend}-w2-{model}-bf16")
-    for backend in ("eager", "inductor")
-    for model in BF16_MODELS
-]
+# bf16 on the eager backend only: inductor's bf16 path is the own zoo's (test_mixed_precision),
+# and an inductor group of these models costs ~7 minutes of CI.
+BF16 = [pytest.param("eager", 2, model, id=f"eager-w2-{model}-bf16") for model in BF16_MODELS]
 
 
 def _case(model: str, backend: str, bf16: bool) -> Case:

@@ -75,8 +75,15 @@ def _fail(model: str, world: int, backend: str, what: str, problems: list[str]) 
         )
 
 
-def _common_checks(per_rank: list[dict], model: str) -> list[str]:
+def _common_checks(
+    per_rank: list[dict], model: str, ref: Reference, loss_rtol: float, loss_atol: float
+) -> list[str]:
+    """The losses against the reference's, and what must hold whatever the dtype."""
     problems = []
+    for rank, r in enumerate(per_rank):
+        for step, (got, exp) in enumerate(zip(r["losses"], ref.losses, strict=True)):
+            if not math.isclose(got, exp[rank], rel_tol=loss_rtol, abs_tol=loss_atol):
+                problems.append(f"loss of rank {rank} at step {step}: {got!r} != {exp[rank]!r}")
     generated = [r["generated"] for r in per_rank]
     if any(g is not None and not torch.equal(g, generated[0]) for g in generated):
         problems.append(f"ranks generated different tokens: {generated}")
@@ -91,11 +98,7 @@ def _common_checks(per_rank: list[dict], model: str) -> list[str]:
 def test_hf_model_matches_reference(backend: str, world: int, model: str) -> None:
     per_rank = case_outcome(_group(backend, world, False), _case(model, backend, False).key)
     ref = _reference(model, world, False)
-    problems = _common_checks(per_rank, model)
-    for rank, r in enumerate(per_rank):
-        for step, (got, exp) in enumerate(zip(r["losses"], ref.losses, strict=True)):
-            if not math.isclose(got, exp[rank], rel_tol=LOSS_RTOL, abs_tol=1e-6):
-                problems.append(f"loss of rank {rank} at step {step}: {got!r} != {exp[rank]!r}")
+    problems = _common_checks(per_rank, model, ref, LOSS_RTOL, 1e-6)
     problems += compare_params(per_rank[0]["state"], ref.final, rtol=RTOL, atol=ATOL)
     if ref.generated is not None and not torch.equal(per_rank[0]["generated"], ref.generated):
         problems.append(f"generate(): {per_rank[0]['generated']} != {ref.generated}")
@@ -113,11 +116,7 @@ def test_hf_model_matches_reference(backend: str, world: int, model: str) -> Non
 def test_hf_model_bf16_matches_autocast_reference(backend: str, world: int, model: str) -> None:
     per_rank = case_outcome(_group(backend, world, True), _case(model, backend, True).key)
     ref = _reference(model, world, True)
-    problems = _common_checks(per_rank, model)
-    for rank, r in enumerate(per_rank):
-        for step, (got, exp) in enumerate(zip(r["losses"], ref.losses, strict=True)):
-            if not math.isclose(got, exp[rank], rel_tol=BF16_LOSS_RTOL):
-                problems.append(f"loss of rank {rank} at step {step}: {got!r} != {exp[rank]!r}")
+    problems = _common_checks(per_rank, model, ref, BF16_LOSS_RTOL, 0.0)
     state = per_rank[0]["state"]
     fp32 = _reference(model, world, False)
     problems += compare_params(state, ref.final, rtol=0.0, atol=BF16_ATOL)

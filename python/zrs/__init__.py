@@ -129,8 +129,9 @@ def compile(
             compile alone; with one process torch.compile's default (a shape change recompiles
             once, with the changed sizes symbolic).
         timeout: seconds a rank waits for the others before each graph compile; a rank that
-            compiles alone raises ZrsError on every rank after it. Default: the timeout of the
-            process group's store (init_process_group's timeout).
+            compiles alone then raises ZrsError, and so do its peers when their collective
+            fails (gloo; NCCL peers are not yet woken). Default: the timeout of the process
+            group's store (init_process_group's timeout).
 
     Returns the same model object, sharded and compiled in place.
     """

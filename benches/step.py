@@ -785,12 +785,24 @@ def profile_steps(system: str, ctx: Ctx, built: Built, data: Data, start: int) -
     path = args.trace / f"{args.preset}_{system}_{tag}_rank{rank}.json.gz"
     prof.export_chrome_trace(str(path))  # gzipped: a 1b trace is ~20 MB of JSON
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    top = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:TRACE_TOP]
+    events = prof.key_averages()
+    top = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:TRACE_TOP]
+    host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:TRACE_TOP]
+    zrs_ops = sorted((e for e in events if e.key.startswith("zrs::")), key=lambda e: e.key)
     return {
         "trace": str(path),
         "timeline": summarize(load(path), TRACE_STEPS),
         "top_ops_ms_per_step": [
             [e.key, round(getattr(e, key) / 1e3 / TRACE_STEPS, 3)] for e in top
+        ],
+        # The host's side: ops by their own CPU time, and every zrs op (calls, CPU time with
+        # what it calls), per step.
+        "top_host_ops_ms_per_step": [
+            [e.key, round(e.self_cpu_time_total / 1e3 / TRACE_STEPS, 3)] for e in host
+        ],
+        "zrs_ops_per_step": [
+            [e.key, e.count // TRACE_STEPS, round(e.cpu_time_total / 1e3 / TRACE_STEPS, 3)]
+            for e in zrs_ops
         ],
     }
 

@@ -34,20 +34,22 @@ def _count(graph: fx.Graph, op) -> int:
 @pytest.fixture
 def lowered(monkeypatch):
     graphs: dict[str, fx.Graph] = {}
-    reduced: list[tuple[int, torch.dtype]] = []
-    lower, reduce_grad = compiler.lower_zero3, runtime.reduce_grad
+    reduced: list[tuple[int, torch.dtype, int]] = []  # ds_id, gradient dtype, planned bucket
+    lower, reduce_grads = compiler.lower_zero3, runtime.reduce_grads
 
     def spy_lower(graph, graph_id, *, is_backward):
         out = lower(graph, graph_id, is_backward=is_backward)
-        graphs["bw" if is_backward else "fw"] = graph
+        copy = fx.Graph()  # as lowered: the later passes change `graph` in place
+        copy.output(copy.graph_copy(graph, {}))
+        graphs["bw" if is_backward else "fw"] = copy
         return out
 
-    def spy_reduce(grad, ds_id, bucket_numel=0):
-        reduced.append((ds_id, grad.dtype))
-        reduce_grad(grad, ds_id, bucket_numel)
+    def spy_reduce(grads, ds_ids, bucket_numels):
+        reduced.extend(zip(ds_ids, [g.dtype for g in grads], bucket_numels, strict=True))
+        reduce_grads(grads, ds_ids, bucket_numels)
 
     monkeypatch.setattr(compiler, "lower_zero3", spy_lower)
-    monkeypatch.setattr(runtime, "reduce_grad", spy_reduce)
+    monkeypatch.setattr(runtime, "reduce_grads", spy_reduce)
     with inductor_config.patch(fx_graph_cache=False):  # a cache hit would skip the pass
         yield graphs, reduced
     runtime.reset()
@@ -68,17 +70,17 @@ def test_both_graphs_are_lowered(lowered, backend, param_dtype):
     assert _count(fw, OPS.allgather_param) == 8  # every parameter, frozen ones too
     trainable = [h.ds_id for h in model._zrs_state.handles if h.shard.requires_grad]
     assert _count(bw, OPS.reduce_grad) == len(trainable) and _count(bw, OPS.end_backward) == 1
-    assert sorted(i for i, _ in reduced) == sorted(trainable), "every gradient was reduced"
+    assert sorted(i for i, _, _ in reduced) == sorted(trainable), "every gradient was reduced"
     # A gradient that autograd would upcast reaches reduce_grad before the upcast (the packing
     # casts into the fp32 bucket): the weights' bf16 matmul gradients, not the norm's (computed
     # in fp32). Their .grad is still fp32, below.
     reduces = bw.find_nodes(op="call_function", target=OPS.reduce_grad.default)
     assert not [n for n in reduces if cast_dtype(n.args[0]) is not None]
     shapes = {h.ds_id: h.shape for h in model._zrs_state.handles}
-    matrices = {d for i, d in reduced if len(shapes[i]) == 2}
+    matrices = {d for i, d, _ in reduced if len(shapes[i]) == 2}
     assert matrices == {param_dtype or torch.float32}
     # One world: every gradient fits one planned bucket, sized to all of them together.
-    sizes = {n.kwargs["bucket_numel"] for n in reduces}
+    sizes = {size for _, _, size in reduced}
     assert sizes == {sum(h.shard_numel for h in model._zrs_state.handles if h.shard.requires_grad)}
     if param_dtype is not None:  # fused downcast: gathered straight in bf16
         dtypes = {

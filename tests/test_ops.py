@@ -85,6 +85,48 @@ def test_prefetch_params_fused(handles):
         torch.testing.assert_close(full, h.shard.detach().view(h.shape))
 
 
+def test_group_ops(handles):
+    """allgather_params / wait_allgathers / release_params: one call per group (passes/coalesce.py).
+    wait_allgathers declares its outputs aliases of the token, which stands for the gathered
+    buffers, so only the fake is checked against the kernel (test_schema would want real views)."""
+    shards = [h.shard for h in handles]
+    ids = [h.ds_id for h in handles]
+    dtypes = [torch.float32] * len(ids)
+    token = torch.ops.zrs.allgather_params(0, shards, ids, dtypes)
+    torch.library.opcheck(
+        torch.ops.zrs.wait_allgathers.default, (token, 0, ids, dtypes), test_utils="test_faketensor"
+    )
+    fulls = torch.ops.zrs.wait_allgathers(token, 0, ids, dtypes)
+    for h, full in zip(handles, fulls, strict=True):
+        torch.testing.assert_close(full, h.shard.detach().view(h.shape))
+    state = handles[0].state
+    assert all(state.registry.info(h.local_id).holders == 1 for h in handles)
+    torch.ops.zrs.release_params(fulls, 0, ids, [False] * len(ids))
+    assert all(state.registry.info(h.local_id).holders == 0 for h in handles)
+    assert not runtime._BUFFERS and not runtime._FLAT_OF
+    torch.library.opcheck(
+        torch.ops.zrs.allgather_params.default,
+        (0, shards, ids, dtypes),
+        test_utils="test_faketensor",
+    )
+
+
+def test_reduce_grads_packs_like_one_reduce_per_gradient(handles):
+    grads = [torch.randn(h.shape, device=h.shard.device) for h in handles]
+    ids = [h.ds_id for h in handles]
+    torch.ops.zrs.reduce_grads(grads, 0, ids, [0] * len(ids))
+    torch.ops.zrs.end_backward(0)
+    batched = [h.shard.grad.clone() for h in handles]
+    for h in handles:
+        h.shard.grad = None
+    for g, i in zip(grads, ids, strict=True):
+        torch.ops.zrs.reduce_grad(g, 0, i)
+    torch.ops.zrs.end_backward(0)
+    for h, b in zip(handles, batched, strict=True):
+        torch.testing.assert_close(h.shard.grad, b, rtol=0, atol=0)
+        torch.testing.assert_close(b, grads[ids.index(h.ds_id)].reshape(-1))
+
+
 def test_reduce_grad_and_end_backward(handles):
     h = handles[0]
     grad = torch.randn(h.shape, device=h.shard.device)

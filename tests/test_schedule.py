@@ -379,10 +379,17 @@ def _force_one_group(monkeypatch) -> None:
 def _record_runtime(monkeypatch) -> list[tuple[str, object]]:
     calls: list[tuple[str, object]] = []
     prefetch, allgather = runtime.prefetch, runtime.allgather_param
+    group = runtime.issue_group
 
     def rec_prefetch(shards, ds_ids, dtypes):
         calls.append(("prefetch", tuple(ds_ids)))
         return prefetch(shards, ds_ids, dtypes)
+
+    def rec_group(shards, ds_ids, dtypes):
+        # A coalesced group (passes/coalesce.py): the prefetch, its members claiming it at once.
+        calls.append(("prefetch", tuple(ds_ids)))
+        calls.extend(("allgather", i) for i in ds_ids)
+        return group(shards, ds_ids, dtypes)
 
     def rec_allgather(shard, ds_id, dtype):
         calls.append(("allgather", ds_id))
@@ -390,6 +397,7 @@ def _record_runtime(monkeypatch) -> list[tuple[str, object]]:
 
     monkeypatch.setattr(runtime, "prefetch", rec_prefetch)
     monkeypatch.setattr(runtime, "allgather_param", rec_allgather)
+    monkeypatch.setattr(runtime, "issue_group", rec_group)
     return calls
 
 

@@ -26,6 +26,7 @@ from torch._functorch._aot_autograd.utils import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn
 
+from zrs.passes.coalesce import coalesce
 from zrs.passes.consistency import check_same_graph
 from zrs.passes.grad_buckets import plan_grad_buckets
 from zrs.passes.keep import keep_allowance, keep_for_backward
@@ -76,7 +77,9 @@ class ZeroLowering(CustomGraphPass):
         # graph_id and the schedule options are not in the graph before this pass runs, so they
         # must be in the cache key.
         graph_id, is_backward, keep, _, ctx = _CURRENT.get()
-        source = _source_hash("zero3.py", "_nodes.py", "schedule.py", "keep.py", "grad_buckets.py")
+        source = _source_hash(
+            "zero3.py", "_nodes.py", "schedule.py", "keep.py", "grad_buckets.py", "coalesce.py"
+        )
         return f"{source}:{graph_id}:{int(is_backward)}:{int(keep)}:{ctx.key()}"
 
 
@@ -148,7 +151,10 @@ def _lower(
     t3 = time.perf_counter()
     if is_backward:
         plan_grad_buckets(graph)  # after the schedule: its order of gradients fills the buckets
-    spent = {"lower": t1 - t0, "keep": t3 - t2, "buckets": time.perf_counter() - t3}
+    t4 = time.perf_counter()
+    coalesce(graph, graph_id)  # last: one op per group, every decision above kept
+    spent = {"lower": t1 - t0, "keep": t3 - t2, "buckets": t4 - t3}
+    spent["coalesce"] = time.perf_counter() - t4
     if scheduled is not None:
         spent |= {"profile": scheduled.profile_s, "plan": scheduled.plan_s}
     for phase, seconds in spent.items():

@@ -39,12 +39,38 @@ SCHEMAS = {
     ),
     "reduce_grad": "reduce_grad(Tensor grad, int graph_id, int ds_id, int bucket_numel=0) -> ()",
     "end_backward": "end_backward(int graph_id) -> ()",
+    # One op per group of the ops above (passes/coalesce.py): the per-parameter host work of a
+    # planned graph, batched. allgather_params returns a token that stands for the group's
+    # gathered buffers; wait_allgathers returns the members' parameters, declared aliases of the
+    # token so that inductor orders every use after the wait and AOTAutograd expects views.
+    "allgather_params": (
+        "allgather_params(int graph_id, Tensor[] shards, int[] ds_ids, ScalarType[] dtypes) "
+        "-> Tensor"
+    ),
+    "wait_allgathers": (
+        "wait_allgathers(Tensor(a) token, int graph_id, int[] ds_ids, ScalarType[] dtypes) "
+        "-> Tensor(a)[]"
+    ),
+    "release_params": (
+        "release_params(Tensor[] after, int graph_id, int[] ds_ids, bool[] keep) -> ()"
+    ),
+    "reduce_grads": (
+        "reduce_grads(Tensor[] grads, int graph_id, int[] ds_ids, int[] bucket_numels) -> ()"
+    ),
 }
 for _schema in SCHEMAS.values():
     LIB.define(_schema)
 
 # Ops that run for their effect: FX dead-code elimination and inductor must keep them.
-SIDE_EFFECT_OPS = ("release_param", "prefetch_params_fused", "reduce_grad", "end_backward")
+SIDE_EFFECT_OPS = (
+    "release_param",
+    "prefetch_params_fused",
+    "reduce_grad",
+    "end_backward",
+    "allgather_params",
+    "release_params",
+    "reduce_grads",
+)
 
 # The runtime implementations work on any device through torch.distributed; CUDA kernels for
 # packing and casting register on the CUDA key in `zrs.cuda` (issue 3).
@@ -120,7 +146,7 @@ def _allgather_param_fake(shard, graph_id, ds_id, dtype=None, prefetched=None):
 
 @_impl("wait_allgather")
 def _wait_allgather(x, graph_id, ds_id):
-    runtime.wait_gather(ds_id)
+    runtime.wait_gather([ds_id])
     return x.view_as(x)  # kernels below autograd must return a fresh alias, never the input
 
 
@@ -131,7 +157,7 @@ def _wait_allgather_fake(x, graph_id, ds_id):
 
 @_impl("release_param")
 def _release_param(x, graph_id, ds_id, n_users, after, keep=False):
-    runtime.release(ds_id, keep=keep)
+    runtime.release([ds_id], [keep])
     return x.view_as(x)
 
 
@@ -168,7 +194,7 @@ def _prefetch_params_fused_fake(graph_id, shards, ds_ids, dtypes=None):
 
 @_impl("reduce_grad")
 def _reduce_grad(grad, graph_id, ds_id, bucket_numel=0):
-    runtime.reduce_grad(grad, ds_id, bucket_numel)
+    runtime.reduce_grads([grad], [ds_id], [bucket_numel])
 
 
 @_fake("reduce_grad")
@@ -183,6 +209,50 @@ def _end_backward(graph_id):
 
 @_fake("end_backward")
 def _end_backward_fake(graph_id):
+    return None
+
+
+@_impl("allgather_params")
+def _allgather_params(graph_id, shards, ds_ids, dtypes):
+    runtime.issue_group(list(shards), list(ds_ids), [_as_dtype(d) for d in dtypes])
+    return shards[0].new_empty(0)
+
+
+@_fake("allgather_params")
+def _allgather_params_fake(graph_id, shards, ds_ids, dtypes):
+    return shards[0].new_empty(0)
+
+
+@_impl("wait_allgathers")
+def _wait_allgathers(token, graph_id, ds_ids, dtypes):
+    return runtime.wait_group(list(ds_ids))
+
+
+@_fake("wait_allgathers")
+def _wait_allgathers_fake(token, graph_id, ds_ids, dtypes):
+    # A group's members are views of one buffer (runtime._Flat); a group has one dtype.
+    hs = [runtime.handle(i) for i in ds_ids]
+    flat = token.new_empty(sum(h.numel for h in hs), dtype=_as_dtype(dtypes[0]))
+    return [v.view(h.shape) for h, v in zip(hs, flat.split([h.numel for h in hs]), strict=True)]
+
+
+@_impl("release_params")
+def _release_params(after, graph_id, ds_ids, keep):
+    runtime.release(list(ds_ids), list(keep))
+
+
+@_fake("release_params")
+def _release_params_fake(after, graph_id, ds_ids, keep):
+    return None
+
+
+@_impl("reduce_grads")
+def _reduce_grads(grads, graph_id, ds_ids, bucket_numels):
+    runtime.reduce_grads(list(grads), list(ds_ids), list(bucket_numels))
+
+
+@_fake("reduce_grads")
+def _reduce_grads_fake(grads, graph_id, ds_ids, bucket_numels):
     return None
 
 

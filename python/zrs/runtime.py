@@ -62,7 +62,8 @@ class ZeroState:
     cost_model: dict | None = None
     cost_measured: bool = False
     # Wall seconds of zrs's own compile work, summed over graphs (compiler): "lower", "profile",
-    # "plan", "keep", "buckets" and the collective "sweep"; dynamo and inductor take the rest.
+    # "plan", "keep", "buckets", "coalesce" and the collective "sweep"; dynamo and inductor take
+    # the rest.
     compile_s: dict[str, float] = field(default_factory=dict)
     # Where the ranks meet before each graph compile (None for one rank).
     rendezvous: CompileRendezvous | None = None
@@ -212,6 +213,7 @@ class _InFlight:
     block: int  # elements per rank block
     fused: bool  # True: `recv` still has to be unpacked into the members' buffers
     done: torch.cuda.Event | None = None  # on a side stream: the gather (and unpack) finished
+    flat: _Flat | None = None  # the members' group buffer (fused gathers)
 
     def complete(self) -> None:
         streams.wait_for(self.done)
@@ -222,9 +224,10 @@ class _InFlight:
 
     def unpack(self) -> None:
         world = self.members[0][0].state.world_size
-        for h, _ in self.members:  # storage held back at issue (issue_gather): allocate it now
-            buf = _BUFFERS[h.ds_id]
-            buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+        flat = self.flat
+        assert flat is not None, "a fused gather lands in its group's flat buffer"
+        # Storage held back at issue (issue_gather): allocate it now.
+        flat.storage.resize_(flat.nbytes)
         torch.ops.zrs.unpack_rank_major(
             self.recv,
             world,
@@ -234,9 +237,24 @@ class _InFlight:
         )
 
 
+@dataclass(eq=False)
+class _Flat:
+    """The one buffer a fused gather's members are views of, freed when the last one is
+    released (`free_on_release`): one allocation per group, not one per parameter."""
+
+    buf: torch.Tensor
+    nbytes: int
+    live: int  # members whose buffer is still a view of it
+
+    @property
+    def storage(self) -> torch.UntypedStorage:
+        return self.buf.untyped_storage()
+
+
 _BUFFERS: dict[int, torch.Tensor] = {}  # ds_id -> gathered padded flat buffer
 _IN_FLIGHT: dict[int, _InFlight] = {}  # ds_id -> the collective that fills its buffer
 _PREFETCHED: set[int] = set()  # gathered by prefetch_params_fused, holder not yet claimed
+_FLAT_OF: dict[int, _Flat] = {}  # ds_id -> the group buffer its gathered buffer is a view of
 
 
 _SHAPED: dict[int, torch.Tensor] = {}  # ds_id -> the parameter's view of its buffer
@@ -276,20 +294,26 @@ def issue_gather(
     if any(dt != dtype for _, _, dt in todo):
         raise ZrsError("a fused prefetch group mixes gather dtypes; the planner must split it")
     # The gathered buffers are read by the compute stream: allocated on it (zrs.streams).
-    for h, _, _ in todo:
+    flat = None
+    if len(todo) == 1:
+        h = todo[0][0]
         _set_buffer(h, torch.empty(h.padded_numel, dtype=dtype, device=device))
+    else:
+        flat = _group_buffer([h for h, _, _ in todo], dtype, device)
     side = streams.side_stream(device, "gather")
-    if side is None:
-        if len(todo) > 1:
+    if side is None or state.world_size == 1:
+        if flat is not None and state.world_size > 1:
             # A fused gather lands in its receive buffer and is unpacked at the first wait: until
-            # then the members' buffers need no memory. Holding it back keeps a prefetch in flight
+            # then the members' buffer needs no memory. Holding it back keeps a prefetch in flight
             # at 1x its gathered bytes (plus the send block), as the planner counts it, not 2x.
-            for h, _, _ in todo:
-                _BUFFERS[h.ds_id].untyped_storage().resize_(0)
-        flight = _start_gather(todo, state, dtype, device, async_op=True)
+            flat.storage.resize_(0)
+        flight = _start_gather(todo, state, dtype, device, flat, async_op=True)
+        if flight is None:
+            return
     else:
         with streams.running_on(side) as done:
-            flight = _start_gather(todo, state, dtype, device, async_op=False)
+            flight = _start_gather(todo, state, dtype, device, flat, async_op=False)
+            assert flight is not None
             if flight.fused:
                 flight.unpack()  # on the side stream, off the compute stream's path
                 flight.fused = False
@@ -298,21 +322,46 @@ def issue_gather(
         _IN_FLIGHT[h.ds_id] = flight
 
 
+def _group_buffer(hs: list[ParamHandle], dtype: torch.dtype, device: torch.device) -> _Flat:
+    """One buffer for the gathered members of a fused gather; each member's buffer a view."""
+    sizes = [h.padded_numel for h in hs]
+    buf = torch.empty(sum(sizes), dtype=dtype, device=device)
+    flat = _Flat(buf, buf.untyped_storage().nbytes(), len(hs))
+    for h, view in zip(hs, buf.split(sizes), strict=True):
+        _set_buffer(h, view)
+        _FLAT_OF[h.ds_id] = flat
+    return flat
+
+
+def _copy_in(todo: list[tuple[ParamHandle, torch.Tensor, torch.dtype]], flat: _Flat | None) -> None:
+    """World 1: write the shards (cast) straight into their gathered buffers."""
+    if flat is None:
+        h, s, _ = todo[0]
+        _BUFFERS[h.ds_id].copy_(s.detach().reshape(-1))
+        return
+    torch.ops.zrs.pack_cast([s.detach() for _, s, _ in todo], flat.buf)
+
+
 def _start_gather(
     todo: list[tuple[ParamHandle, torch.Tensor, torch.dtype]],
     state: ZeroState,
     dtype: torch.dtype,
     device: torch.device,
+    flat: _Flat | None,
     async_op: bool,
-) -> _InFlight:
+) -> _InFlight | None:
     """Issue the all-gather of `todo` (one parameter straight into its buffer, or several packed
-    rank-major into one receive buffer) on the current stream."""
+    rank-major into one receive buffer) on the current stream. One rank has nothing to
+    communicate: the shards are cast into their buffers, and nothing is in flight (None)."""
+    if state.world_size == 1:
+        _copy_in(todo, flat)
+        return None
     if len(todo) == 1:
         h, s, _ = todo[0]
         buf = _BUFFERS[h.ds_id]
         send = s.detach().to(dtype).reshape(-1)
         work = all_gather(buf, send, state.group, async_op=async_op)
-        return _InFlight(work, send, buf, [(h, 0)], h.shard_numel, fused=False)
+        return _InFlight(work, send, buf, [(h, 0)], h.shard_numel, fused=False, flat=flat)
     offsets = list(itertools.accumulate((h.shard_numel for h, _, _ in todo), initial=0))
     block = offsets[-1]
     send = torch.empty(block, dtype=dtype, device=device)
@@ -320,7 +369,7 @@ def _start_gather(
     recv = torch.empty(block * state.world_size, dtype=dtype, device=device)
     work = all_gather(recv, send, state.group, async_op=async_op)
     members = [(h, off) for (h, _, _), off in zip(todo, offsets, strict=False)]
-    return _InFlight(work, send, recv, members, block, fused=True)
+    return _InFlight(work, send, recv, members, block, fused=True, flat=flat)
 
 
 def allgather_param(shard: torch.Tensor, ds_id: int, dtype: torch.dtype | None) -> torch.Tensor:
@@ -332,37 +381,58 @@ def allgather_param(shard: torch.Tensor, ds_id: int, dtype: torch.dtype | None) 
     return _shaped(h)
 
 
+def issue_group(shards: list[torch.Tensor], ds_ids: list[int], dtypes: list[torch.dtype]) -> None:
+    """Start one fused all-gather of a planned group (passes/coalesce.py)."""
+    issue_gather([handle(i) for i in ds_ids], shards, dtypes)
+
+
 def prefetch(shards: list[torch.Tensor], ds_ids: list[int], dtypes: list[torch.dtype]) -> None:
     hs = [handle(i) for i in ds_ids]
     issue_gather(hs, shards, dtypes)
     _PREFETCHED.update(ds_ids)
 
 
-def wait_gather(ds_id: int) -> None:
-    h = handle(ds_id)
-    flight = _IN_FLIGHT.get(ds_id)
-    if flight is not None:
-        flight.complete()
-        for m, _ in flight.members:
-            del _IN_FLIGHT[m.ds_id]
-    h.state.registry.finish_gather(h.local_id)
+def wait_gather(ds_ids: list[int]) -> None:
+    """Wait for the gathers of `ds_ids` (one fused collective completes all its members)."""
+    for ds_id in ds_ids:
+        h = handle(ds_id)
+        flight = _IN_FLIGHT.get(ds_id)
+        if flight is not None:
+            flight.complete()
+            for m, _ in flight.members:
+                del _IN_FLIGHT[m.ds_id]
+        h.state.registry.finish_gather(h.local_id)
 
 
-def release(ds_id: int, keep: bool = False) -> None:
-    h = handle(ds_id)
-    if keep:
-        _keep(h)
-    else:
-        _drop_hold(h)
+def wait_group(ds_ids: list[int]) -> list[torch.Tensor]:
+    """Wait for a group's gather; its members' gathered parameters."""
+    wait_gather(ds_ids)
+    return [_shaped(handle(i)) for i in ds_ids]
+
+
+def release(ds_ids: list[int], keep: list[bool]) -> None:
+    for ds_id, kept in zip(ds_ids, keep, strict=True):
+        h = handle(ds_id)
+        if kept:
+            _keep(h)
+        else:
+            _drop_hold(h)
 
 
 def _drop_hold(h: ParamHandle) -> None:
     if h.state.registry.release(h.local_id):
         buf = _BUFFERS.pop(h.ds_id)
         del _SHAPED[h.ds_id]
-        if h.state.free_on_release:
-            # The graph's remaining aliases of the buffer are dead: the release follows the last use.
+        flat = _FLAT_OF.pop(h.ds_id, None)
+        if not h.state.free_on_release:
+            return
+        # The graph's remaining aliases of the buffer are dead: the release follows the last use.
+        if flat is None:
             buf.untyped_storage().resize_(0)
+        else:
+            flat.live -= 1
+            if flat.live == 0:
+                flat.storage.resize_(0)
 
 
 # --- copies a training forward keeps for its backward (passes/keep.py) ---------------------------
@@ -378,6 +448,9 @@ def _keep(h: ParamHandle) -> None:
         # same graph: the copy kept for the backward must be one the graph never saw. A device
         # copy (~0.1 ms for a 1b model's head and last layer) against a gather over the link.
         _set_buffer(h, _BUFFERS[h.ds_id].clone())
+        flat = _FLAT_OF.pop(h.ds_id, None)
+        if flat is not None:
+            flat.live -= 1  # inductor's own references free the group buffer
     _KEPT[h.ds_id] = h.shard._version
 
 
@@ -446,30 +519,41 @@ _callback_queued = False
 MAX_IN_FLIGHT_REDUCES = 2
 
 
-def reduce_grad(grad: torch.Tensor, ds_id: int, bucket_numel: int = 0) -> None:
-    """Pack one gradient into its bucket; reduce-scatter the bucket once full. `bucket_numel`:
-    the per-rank size of the bucket the compiler planned for it (passes/grad_buckets.py), 0 if
-    unplanned (the bucket then holds up to GRAD_BUCKET_NUMEL)."""
-    h = handle(ds_id)
-    state = h.state
-    key = (id(state), state.reduce_dtype)
-    bucket = _BUCKETS.get(key)
-    if bucket is not None and bucket.used + h.shard_numel > bucket.buf.size(1):
-        _flush(key)
-        bucket = None
-    if bucket is None:
-        cap = max(bucket_numel or GRAD_BUCKET_NUMEL, h.shard_numel)
-        buf = torch.empty(state.world_size, cap, dtype=state.reduce_dtype, device=grad.device)
-        bucket = _BUCKETS[key] = _Bucket(state, buf)
-    # Pack now (pre-divided, cast, zero padding): once this op returns, the compiled graph may
-    # reuse the gradient's memory.
-    cols = bucket.buf.narrow(1, bucket.used, h.shard_numel)
-    torch.ops.zrs.pack_grads([grad], state.world_size, 1.0 / state.world_size, cols)
-    bucket.members.append((h, bucket.used))
-    bucket.used += h.shard_numel
-    _queue_final_callback()
-    if bucket.used == bucket.buf.size(1):
-        _flush(key)
+def reduce_grads(grads: list[torch.Tensor], ds_ids: list[int], bucket_numels: list[int]) -> None:
+    """Pack gradients into their buckets, one kernel per run that fits in a bucket; reduce-scatter
+    each bucket once full. `bucket_numels[i]`: the per-rank size of the bucket the compiler planned
+    for gradient i (passes/grad_buckets.py), 0 if unplanned (the bucket then holds up to
+    GRAD_BUCKET_NUMEL)."""
+    hs = [handle(i) for i in ds_ids]
+    i = 0
+    while i < len(hs):
+        state = hs[i].state
+        key = (id(state), state.reduce_dtype)
+        bucket = _BUCKETS.get(key)
+        if bucket is not None and bucket.used + hs[i].shard_numel > bucket.buf.size(1):
+            _flush(key)
+            bucket = None
+        if bucket is None:
+            cap = max(bucket_numels[i] or GRAD_BUCKET_NUMEL, hs[i].shard_numel)
+            buf = torch.empty(
+                state.world_size, cap, dtype=state.reduce_dtype, device=grads[i].device
+            )
+            bucket = _BUCKETS[key] = _Bucket(state, buf)
+        start, end = bucket.used, i
+        while end < len(hs) and hs[end].state is state:
+            if bucket.used + hs[end].shard_numel > bucket.buf.size(1):
+                break
+            bucket.members.append((hs[end], bucket.used))
+            bucket.used += hs[end].shard_numel
+            end += 1
+        # Pack now (pre-divided, cast, zero padding): once this op returns, the compiled graph may
+        # reuse the gradients' memory.
+        cols = bucket.buf.narrow(1, start, bucket.used - start)
+        torch.ops.zrs.pack_grads(grads[i:end], state.world_size, 1.0 / state.world_size, cols)
+        _queue_final_callback()
+        if bucket.used == bucket.buf.size(1):
+            _flush(key)
+        i = end
 
 
 def _flush(key: tuple[int, torch.dtype]) -> None:
@@ -548,6 +632,7 @@ def reset() -> None:
     _SHAPED.clear()
     _IN_FLIGHT.clear()
     _PREFETCHED.clear()
+    _FLAT_OF.clear()
     _KEPT.clear()
     _BUCKETS.clear()
     _REDUCING.clear()

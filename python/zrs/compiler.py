@@ -190,7 +190,11 @@ def make_backend(state: ZeroState, backend: str):
 # Inductor options whose effect is decided by timing on each rank. shape_padding pads a matmul
 # when a benchmark says padding is faster: on 2 GPUs one rank padded a 3x5 matmul and the other
 # did not, and the rank check refused the differing graphs (tests/gpu, mlp and chunked models).
-SAME_ON_EVERY_RANK: dict[str, Any] = {"shape_padding": False}
+# force_shape_pad decides without a benchmark, the same on every rank: every matmul with a
+# misaligned dimension is padded. Without padding, GPT-2's head (vocabulary 50257) ran cuBLAS's
+# unaligned kernels: 68.2 ms of matmuls per step against 55.0 for the compiled one-GPU model,
+# which pads (GPT-2 XL shape, one H200, session 10).
+SAME_ON_EVERY_RANK: dict[str, Any] = {"shape_padding": True, "force_shape_pad": True}
 
 
 def _inductor(

@@ -214,7 +214,11 @@ def _end_backward_fake(graph_id):
 
 @_impl("allgather_params")
 def _allgather_params(graph_id, shards, ds_ids, dtypes):
-    runtime.issue_group(list(shards), list(ds_ids), [_as_dtype(d) for d in dtypes])
+    first = _as_dtype(dtypes[0])  # one dtype per group, in practice
+    same = all(d == dtypes[0] for d in dtypes)
+    runtime.issue_group(
+        shards, ds_ids, [first] * len(dtypes) if same else list(map(_as_dtype, dtypes))
+    )
     return shards[0].new_empty(0)
 
 
@@ -225,7 +229,7 @@ def _allgather_params_fake(graph_id, shards, ds_ids, dtypes):
 
 @_impl("wait_allgathers")
 def _wait_allgathers(token, graph_id, ds_ids, dtypes):
-    return runtime.wait_group(list(ds_ids))
+    return runtime.wait_group(ds_ids)
 
 
 @_fake("wait_allgathers")
@@ -238,7 +242,7 @@ def _wait_allgathers_fake(token, graph_id, ds_ids, dtypes):
 
 @_impl("release_params")
 def _release_params(after, graph_id, ds_ids, keep):
-    runtime.release(list(ds_ids), list(keep))
+    runtime.release(ds_ids, keep)
 
 
 @_fake("release_params")
@@ -248,7 +252,7 @@ def _release_params_fake(after, graph_id, ds_ids, keep):
 
 @_impl("reduce_grads")
 def _reduce_grads(grads, graph_id, ds_ids, bucket_numels):
-    runtime.reduce_grads(list(grads), list(ds_ids), list(bucket_numels))
+    runtime.reduce_grads(grads, ds_ids, bucket_numels)
 
 
 @_fake("reduce_grads")

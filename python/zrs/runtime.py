@@ -120,6 +120,13 @@ def add_handle(state: ZeroState, shard: nn.Parameter, local_id: int) -> ParamHan
     return h
 
 
+def handles(ds_ids: list[int]) -> list[ParamHandle]:
+    try:
+        return [_HANDLES[i] for i in ds_ids]
+    except KeyError:
+        return [handle(i) for i in ds_ids]  # raises for the unknown one
+
+
 def handle(ds_id: int) -> ParamHandle:
     try:
         return _HANDLES[ds_id]
@@ -222,6 +229,7 @@ class _InFlight:
             return
         self.unpack()
 
+    @torch.no_grad()  # the members' buffers are split views: autograd refuses in-place writes
     def unpack(self) -> None:
         world = self.members[0][0].state.world_size
         flat = self.flat
@@ -262,7 +270,8 @@ _SHAPED: dict[int, torch.Tensor] = {}  # ds_id -> the parameter's view of its bu
 
 def _set_buffer(h: ParamHandle, buf: torch.Tensor) -> None:
     _BUFFERS[h.ds_id] = buf
-    _SHAPED[h.ds_id] = buf.narrow(0, 0, h.numel).view(h.shape)
+    unpadded = buf if h.padded_numel == h.numel else buf.narrow(0, 0, h.numel)
+    _SHAPED[h.ds_id] = unpadded.view(h.shape)
 
 
 def _shaped(h: ParamHandle) -> torch.Tensor:
@@ -274,10 +283,12 @@ def _shaped(h: ParamHandle) -> torch.Tensor:
 def issue_gather(
     hs: list[ParamHandle], shards: list[torch.Tensor], dtypes: list[torch.dtype]
 ) -> None:
-    """Start one all-gather for every handle whose registry says a collective is needed."""
+    """Start one all-gather for every handle whose registry says a collective is needed.
+
+    Runs inside the zrs ops, below autograd: the shards need no `detach`."""
     todo = []
     for h, s, dt in zip(hs, shards, dtypes, strict=True):
-        if _claim_kept(h, dt):
+        if _KEPT and _claim_kept(h, dt):
             continue  # a forward's kept copy, and its hold, serve this gather
         if h.state.registry.start_gather(h.local_id):
             todo.append((h, s, dt))
@@ -322,9 +333,15 @@ def issue_gather(
         _IN_FLIGHT[h.ds_id] = flight
 
 
+_LAYOUTS: dict[tuple[int, ...], list[int]] = {}  # a fused gather's members -> their sizes
+
+
 def _group_buffer(hs: list[ParamHandle], dtype: torch.dtype, device: torch.device) -> _Flat:
     """One buffer for the gathered members of a fused gather; each member's buffer a view."""
-    sizes = [h.padded_numel for h in hs]
+    key = tuple(h.ds_id for h in hs)
+    sizes = _LAYOUTS.get(key)
+    if sizes is None:  # once per planned group, not once per step
+        sizes = _LAYOUTS[key] = [h.padded_numel for h in hs]
     buf = torch.empty(sum(sizes), dtype=dtype, device=device)
     flat = _Flat(buf, buf.untyped_storage().nbytes(), len(hs))
     for h, view in zip(hs, buf.split(sizes), strict=True):
@@ -333,13 +350,14 @@ def _group_buffer(hs: list[ParamHandle], dtype: torch.dtype, device: torch.devic
     return flat
 
 
+@torch.no_grad()  # writes the group buffer under its members' views (see _InFlight.unpack)
 def _copy_in(todo: list[tuple[ParamHandle, torch.Tensor, torch.dtype]], flat: _Flat | None) -> None:
     """World 1: write the shards (cast) straight into their gathered buffers."""
     if flat is None:
         h, s, _ = todo[0]
-        _BUFFERS[h.ds_id].copy_(s.detach().reshape(-1))
+        _BUFFERS[h.ds_id].copy_(s.reshape(-1))
         return
-    torch.ops.zrs.pack_cast([s.detach() for _, s, _ in todo], flat.buf)
+    torch.ops.zrs.pack_cast([s for _, s, _ in todo], flat.buf)
 
 
 def _start_gather(
@@ -359,13 +377,13 @@ def _start_gather(
     if len(todo) == 1:
         h, s, _ = todo[0]
         buf = _BUFFERS[h.ds_id]
-        send = s.detach().to(dtype).reshape(-1)
+        send = s.to(dtype).reshape(-1)
         work = all_gather(buf, send, state.group, async_op=async_op)
         return _InFlight(work, send, buf, [(h, 0)], h.shard_numel, fused=False, flat=flat)
     offsets = list(itertools.accumulate((h.shard_numel for h, _, _ in todo), initial=0))
     block = offsets[-1]
     send = torch.empty(block, dtype=dtype, device=device)
-    torch.ops.zrs.pack_cast([s.detach() for _, s, _ in todo], send)
+    torch.ops.zrs.pack_cast([s for _, s, _ in todo], send)
     recv = torch.empty(block * state.world_size, dtype=dtype, device=device)
     work = all_gather(recv, send, state.group, async_op=async_op)
     members = [(h, off) for (h, _, _), off in zip(todo, offsets, strict=False)]
@@ -383,7 +401,7 @@ def allgather_param(shard: torch.Tensor, ds_id: int, dtype: torch.dtype | None) 
 
 def issue_group(shards: list[torch.Tensor], ds_ids: list[int], dtypes: list[torch.dtype]) -> None:
     """Start one fused all-gather of a planned group (passes/coalesce.py)."""
-    issue_gather([handle(i) for i in ds_ids], shards, dtypes)
+    issue_gather(handles(ds_ids), shards, dtypes)
 
 
 def prefetch(shards: list[torch.Tensor], ds_ids: list[int], dtypes: list[torch.dtype]) -> None:
@@ -394,9 +412,8 @@ def prefetch(shards: list[torch.Tensor], ds_ids: list[int], dtypes: list[torch.d
 
 def wait_gather(ds_ids: list[int]) -> None:
     """Wait for the gathers of `ds_ids` (one fused collective completes all its members)."""
-    for ds_id in ds_ids:
-        h = handle(ds_id)
-        flight = _IN_FLIGHT.get(ds_id)
+    for h in handles(ds_ids):
+        flight = _IN_FLIGHT.get(h.ds_id) if _IN_FLIGHT else None
         if flight is not None:
             flight.complete()
             for m, _ in flight.members:
@@ -407,12 +424,11 @@ def wait_gather(ds_ids: list[int]) -> None:
 def wait_group(ds_ids: list[int]) -> list[torch.Tensor]:
     """Wait for a group's gather; its members' gathered parameters."""
     wait_gather(ds_ids)
-    return [_shaped(handle(i)) for i in ds_ids]
+    return [_SHAPED[i].view(_HANDLES[i].shape) for i in ds_ids]
 
 
 def release(ds_ids: list[int], keep: list[bool]) -> None:
-    for ds_id, kept in zip(ds_ids, keep, strict=True):
-        h = handle(ds_id)
+    for h, kept in zip(handles(ds_ids), keep, strict=True):
         if kept:
             _keep(h)
         else:
@@ -524,7 +540,7 @@ def reduce_grads(grads: list[torch.Tensor], ds_ids: list[int], bucket_numels: li
     each bucket once full. `bucket_numels[i]`: the per-rank size of the bucket the compiler planned
     for gradient i (passes/grad_buckets.py), 0 if unplanned (the bucket then holds up to
     GRAD_BUCKET_NUMEL)."""
-    hs = [handle(i) for i in ds_ids]
+    hs = handles(ds_ids)
     i = 0
     while i < len(hs):
         state = hs[i].state
@@ -566,6 +582,9 @@ def _flush(key: tuple[int, torch.dtype]) -> None:
         # Partly filled (unplanned gradients, or a plan the calls did not follow): the rows are
         # strided and the collective needs them packed, a copy of the whole bucket.
         packed = packed.narrow(1, 0, bucket.used).contiguous()
+    if state.world_size == 1:  # one rank: the packed bucket is the reduced gradient
+        _REDUCING.append(_Reduce(None, packed.view(-1), bucket.members, packed))
+        return
     out = torch.empty(bucket.used, dtype=dtype, device=packed.device)
     side = streams.side_stream(packed.device, "reduce")
     if side is None:
@@ -581,8 +600,9 @@ def _complete(r: _Reduce) -> None:
     """Wait for one reduce-scatter and accumulate its shards into the parameters' `.grad`."""
     streams.wait_for(r.done)
     r.members[0][0].state.wait(r.work)
-    for h, off in r.members:
-        g = r.out.narrow(0, off, h.shard_numel)
+    # The members sit back to back from column 0, and the output holds exactly them.
+    grads = r.out.split([h.shard_numel for h, _ in r.members])
+    for (h, _), g in zip(r.members, grads, strict=True):
         if h.shard.grad is None:
             # The reduce-scatter's output is the gradient: the shards' .grad are views into it
             # (no copy; the output lives as long as any of its gradients).
@@ -633,6 +653,7 @@ def reset() -> None:
     _IN_FLIGHT.clear()
     _PREFETCHED.clear()
     _FLAT_OF.clear()
+    _LAYOUTS.clear()
     _KEPT.clear()
     _BUCKETS.clear()
     _REDUCING.clear()

@@ -214,11 +214,7 @@ def _end_backward_fake(graph_id):
 
 @_impl("allgather_params")
 def _allgather_params(graph_id, shards, ds_ids, dtypes):
-    first = _as_dtype(dtypes[0])  # one dtype per group, in practice
-    same = all(d == dtypes[0] for d in dtypes)
-    runtime.issue_group(
-        shards, ds_ids, [first] * len(dtypes) if same else list(map(_as_dtype, dtypes))
-    )
+    runtime.issue_group(shards, ds_ids, [_as_dtype(d) for d in dtypes])
     return shards[0].new_empty(0)
 
 

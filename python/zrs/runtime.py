@@ -251,12 +251,15 @@ class _Flat:
     released (`free_on_release`): one allocation per group, not one per parameter."""
 
     buf: torch.Tensor
-    nbytes: int
     live: int  # members whose buffer is still a view of it
 
     @property
     def storage(self) -> torch.UntypedStorage:
         return self.buf.untyped_storage()
+
+    @property
+    def nbytes(self) -> int:  # also while its storage is held back (resized to 0)
+        return self.buf.numel() * self.buf.element_size()
 
 
 _BUFFERS: dict[int, torch.Tensor] = {}  # ds_id -> gathered padded flat buffer
@@ -333,17 +336,11 @@ def issue_gather(
         _IN_FLIGHT[h.ds_id] = flight
 
 
-_LAYOUTS: dict[tuple[int, ...], list[int]] = {}  # a fused gather's members -> their sizes
-
-
 def _group_buffer(hs: list[ParamHandle], dtype: torch.dtype, device: torch.device) -> _Flat:
     """One buffer for the gathered members of a fused gather; each member's buffer a view."""
-    key = tuple(h.ds_id for h in hs)
-    sizes = _LAYOUTS.get(key)
-    if sizes is None:  # once per planned group, not once per step
-        sizes = _LAYOUTS[key] = [h.padded_numel for h in hs]
+    sizes = [h.padded_numel for h in hs]
     buf = torch.empty(sum(sizes), dtype=dtype, device=device)
-    flat = _Flat(buf, buf.untyped_storage().nbytes(), len(hs))
+    flat = _Flat(buf, len(hs))
     for h, view in zip(hs, buf.split(sizes), strict=True):
         _set_buffer(h, view)
         _FLAT_OF[h.ds_id] = flat
@@ -405,8 +402,7 @@ def issue_group(shards: list[torch.Tensor], ds_ids: list[int], dtypes: list[torc
 
 
 def prefetch(shards: list[torch.Tensor], ds_ids: list[int], dtypes: list[torch.dtype]) -> None:
-    hs = [handle(i) for i in ds_ids]
-    issue_gather(hs, shards, dtypes)
+    issue_gather(handles(ds_ids), shards, dtypes)
     _PREFETCHED.update(ds_ids)
 
 
@@ -424,7 +420,7 @@ def wait_gather(ds_ids: list[int]) -> None:
 def wait_group(ds_ids: list[int]) -> list[torch.Tensor]:
     """Wait for a group's gather; its members' gathered parameters."""
     wait_gather(ds_ids)
-    return [_SHAPED[i].view(_HANDLES[i].shape) for i in ds_ids]
+    return [_shaped(h) for h in handles(ds_ids)]
 
 
 def release(ds_ids: list[int], keep: list[bool]) -> None:
@@ -653,7 +649,6 @@ def reset() -> None:
     _IN_FLIGHT.clear()
     _PREFETCHED.clear()
     _FLAT_OF.clear()
-    _LAYOUTS.clear()
     _KEPT.clear()
     _BUCKETS.clear()
     _REDUCING.clear()

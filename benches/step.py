@@ -60,7 +60,8 @@ Metrics (times are the maximum over ranks, step by step):
                               peak_GiB_all over the whole system's run (build and warm-up included)
   warmup_s                    wall time from the start of the model build to the end of the first
                               trained step (compilation included); warmup_total_s to the end of
-                              all warm-up steps
+                              all warm-up steps; compile_phases_s: torch's own compile timers
+                              (dynamo_timed, summed over graphs) that took at least 0.5 s
 """
 
 from __future__ import annotations
@@ -193,6 +194,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["search", "greedy", "none"],
         default="search",
         help="zrs.compile scheduler (default search)",
+    )
+    p.add_argument(
+        "--zrs-no-regions",
+        action="store_true",
+        help="zrs.compile(regions=False): trace every layer on its own",
     )
     p.add_argument(
         "--zrs-shared-reduce-communicator",
@@ -459,6 +465,16 @@ def meta_model(spec: ModelSpec) -> nn.Module:
 # The systems
 
 
+def compile_phases(least_s: float = 0.5) -> dict[str, float]:
+    """torch's compile timers (dynamo, AOTAutograd, inductor phases) summed over this process."""
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    return {
+        n: round(float(v), 2) for n, v in zip(names, values, strict=True) if float(v) >= least_s
+    }
+
+
 def build_zrs(ctx: Ctx) -> Built:
     import zrs
 
@@ -473,6 +489,7 @@ def build_zrs(ctx: Ctx) -> Built:
         backend=ctx.args.zrs_backend,
         scheduler=ctx.args.zrs_scheduler,
         separate_reduce_communicator=not ctx.args.zrs_shared_reduce_communicator,
+        regions=not ctx.args.zrs_no_regions,
     )
     opt = adamw(model.parameters(), ctx)
     return Built(
@@ -691,6 +708,7 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
         "peak_GiB_all": round(max(peak_all, peak), 2),
         "warmup_s": round(first_step_s, 2),
         "warmup_total_s": round(warmup_total_s, 2),
+        "compile_phases_s": compile_phases(),
         "loss": round(loss_t.item(), 4),
         "warmup_steps": warmup,
         "steps": args.steps,
@@ -712,6 +730,7 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
     if system == "zrs":
         record["zrs_backend"] = args.zrs_backend
         record["zrs_scheduler"] = args.zrs_scheduler
+        record["zrs_regions"] = not args.zrs_no_regions
         record["zrs_reduce_communicator"] = (
             "shared" if args.zrs_shared_reduce_communicator else "separate"
         )

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import logging
 import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._dynamo.exc import UncapturedHigherOrderOpError
 from torch.fx.experimental import _config as fx_config
 from torch.utils._pytree import tree_map
 
@@ -25,7 +27,7 @@ from zrs.compiler import BACKENDS, make_backend
 from zrs.exchange import CompileRendezvous
 from zrs.passes.schedule import SCHEDULERS, trace_dir_from_env
 from zrs.runtime import ZeroState
-from zrs.sharding import InitFn, check_devices, full_state_dict, shard_model
+from zrs.sharding import InitFn, check_devices, drop_regions, full_state_dict, shard_model
 
 __all__ = ["ZrsError", "compile", "full_state_dict"]
 __version__ = "0.1.0"
@@ -81,6 +83,7 @@ def compile(
     separate_reduce_communicator: bool = True,
     dynamic: bool | None = None,
     timeout: float | None = None,
+    regions: bool = True,
 ) -> nn.Module:
     """Shard `model` across the process group and compile it with the zrs ZeRO-3 backend.
 
@@ -128,6 +131,13 @@ def compile(
             shapes change from step to step, or differ between the ranks, never make one rank
             compile alone; with one process torch.compile's default (a shape change recompiles
             once, with the changed sizes symbolic).
+        regions: compile each repeated block once and reuse its code for every layer: the
+            children of an nn.ModuleList or nn.Sequential that share a class (a transformer's
+            layers) become nested compile regions (`torch.compiler.nested_compile_region`),
+            whose parameters zrs still gathers, prefetches and releases per layer. The first
+            step's compile then grows with the distinct blocks, not the layers. A model whose
+            blocks dynamo cannot capture as regions falls back to per-layer compilation (with a
+            warning on the "zrs" logger). False: trace every layer on its own.
         timeout: seconds a rank waits for the others before each graph compile; a rank that
             compiles alone then raises ZrsError, and so do its peers when their collective
             fails (gloo; NCCL peers are not yet woken). Default: the timeout of the process
@@ -176,7 +186,7 @@ def compile(
         kernels.build_in_background()  # nvcc runs while dynamo and inductor trace the model
     if keep_for_backward:
         runtime.drop_kept_before_optimizer_steps()
-    shard_model(model, state, init_fn)
+    shard_model(model, state, init_fn, regions)
     model._zrs_state = state
     hf.adopt_conventions(model)
     if param_dtype is not None:
@@ -187,10 +197,34 @@ def compile(
     return model
 
 
+_log = logging.getLogger("zrs")
 _ENTRIES = itertools.count()  # zrs.compile calls in this process: every rank counts alike
 
 
 def _compile_in_place(model: nn.Module, backend: Any, entry: int, dynamic: bool | None) -> None:
+    """Compile `model` in place; if dynamo cannot capture a repeated block as a compile region,
+    compile it again with every layer traced on its own (what `regions=False` does)."""
+    compiled = _compiled_forward(model, backend, f"zrs_forward_{entry}", dynamic)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        nonlocal compiled
+        try:
+            return compiled(*args, **kwargs)
+        except UncapturedHigherOrderOpError as e:
+            if not drop_regions(model):
+                raise
+            _log.warning(
+                "zrs: the model's repeated blocks cannot be compiled once and reused (%s); each "
+                "layer is compiled on its own instead",
+                str(e).splitlines()[0],
+            )
+            compiled = _compiled_forward(model, backend, f"zrs_forward_{entry}_flat", dynamic)
+            return compiled(*args, **kwargs)
+
+    model._compiled_call_impl = forward
+
+
+def _compiled_forward(model: nn.Module, backend: Any, name: str, dynamic: bool | None) -> Any:
     """What `model.compile(backend=...)` does, but entered through a frame of zrs code.
 
     `nn.Module.compile` compiles `model._call_impl`, and dynamo (torch 2.11) captures nothing when
@@ -206,11 +240,10 @@ def _compile_in_place(model: nn.Module, backend: Any, entry: int, dynamic: bool 
     # Dynamo keeps its compiled entries on the code object, and a second zrs.compile of the same
     # class and shapes passed the first one's guards (it ran with the first model's backend and
     # zero state). A code object of its own per model keeps their entries apart.
-    zrs_forward.__code__ = zrs_forward.__code__.replace(co_name=f"zrs_forward_{entry}")
+    zrs_forward.__code__ = zrs_forward.__code__.replace(co_name=name)
     compiled = torch.compile(zrs_forward, backend=backend, dynamic=dynamic)
     if not dynamic:
-        model._compiled_call_impl = compiled
-        return
+        return compiled
 
     def forward_without_duck_sizing(*args: Any, **kwargs: Any) -> Any:
         # Duck sizing gives two sizes that are equal at the first compile one symbol (batch 8,
@@ -219,4 +252,4 @@ def _compile_in_place(model: nn.Module, backend: Any, entry: int, dynamic: bool 
         with fx_config.patch(use_duck_shape=False):
             return compiled(*args, **kwargs)
 
-    model._compiled_call_impl = forward_without_duck_sizing
+    return forward_without_duck_sizing

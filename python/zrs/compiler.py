@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import hashlib
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -26,17 +27,20 @@ from torch._functorch._aot_autograd.utils import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn
 
+from zrs._core import ZrsError
 from zrs.passes.coalesce import coalesce
 from zrs.passes.consistency import check_same_graph
 from zrs.passes.grad_buckets import plan_grad_buckets
 from zrs.passes.keep import keep_allowance, keep_for_backward
-from zrs.passes.recompute import tag_gathers_for_recompute
+from zrs.passes.recompute import reroute_saved_parameters, tag_gathers_for_recompute
+from zrs.passes.regions import inline_regions, lift_region_gathers, resolve_gathers
 from zrs.passes.schedule import ScheduleContext, device_budget, graph_label, schedule_graph
 from zrs.passes.zero3 import lower_zero3
 from zrs.profile import measure_collectives
 from zrs.runtime import ZeroState, handle
 
 BACKENDS = ("inductor", "eager")
+_log = logging.getLogger("zrs")
 
 
 def _source_hash(*names: str) -> str:
@@ -49,6 +53,7 @@ class ZeroPartitioner(CustomPartitionerFn):
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
         tag_gathers_for_recompute(gm.graph)
+        reroute_saved_parameters(gm)
         kwargs.setdefault("compiler", "inductor")
         return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
 
@@ -58,10 +63,10 @@ class ZeroPartitioner(CustomPartitionerFn):
 
 PARTITIONER = ZeroPartitioner()
 
-# (graph_id, is_backward, keep, lower, schedule context) of the graph inductor is compiling
-# right now; keep: a training forward of a keep_for_backward model, which keeps its last gathered
-# parameters for the backward (in the FX cache key with the rest).
-_CURRENT: contextvars.ContextVar[tuple[int, bool, bool, Any, ScheduleContext]] = (
+# (graph_id, is_backward, keep, lower, schedule context, graph) of the graph inductor is
+# compiling right now; keep: a training forward of a keep_for_backward model, which keeps its last
+# gathered parameters for the backward (in the FX cache key with the rest).
+_CURRENT: contextvars.ContextVar[tuple[int, bool, bool, Any, ScheduleContext, fx.Graph]] = (
     contextvars.ContextVar("zrs_current")
 )
 
@@ -70,13 +75,14 @@ class ZeroLowering(CustomGraphPass):
     """The zero3 and schedule passes as inductor's `post_grad_custom_post_pass`."""
 
     def __call__(self, graph: fx.Graph) -> None:
-        _, is_backward, keep, lower, ctx = _CURRENT.get()
-        lower(graph, is_backward, keep, ctx)
+        _, is_backward, keep, lower, ctx, top = _CURRENT.get()
+        if graph is top:  # inductor runs its post-grad passes on each block's body too
+            lower(graph, is_backward, keep, ctx)
 
     def uuid(self) -> str:
         # graph_id and the schedule options are not in the graph before this pass runs, so they
         # must be in the cache key.
-        graph_id, is_backward, keep, _, ctx = _CURRENT.get()
+        graph_id, is_backward, keep, _, ctx, _ = _CURRENT.get()
         source = _source_hash(
             "zero3.py", "_nodes.py", "schedule.py", "keep.py", "grad_buckets.py", "coalesce.py"
         )
@@ -165,7 +171,30 @@ def make_backend(state: ZeroState, backend: str):
     """A dynamo backend for one `zrs.compile` call (`backend` is checked by the caller)."""
 
     def zrs_backend(gm: fx.GraphModule, example_inputs: list[Any]):
+        regions = lift_region_gathers(gm)
+        resolve_gathers(gm, example_inputs, lambda shard: state.ds_ids.get(id(shard)))
         graph_id = next(state.graph_ids)
+        try:
+            return _compile_graph(gm, example_inputs, graph_id)
+        except ZrsError:
+            raise
+        except Exception as e:
+            if not regions:
+                raise
+            # AOTAutograd does not take every region (torch 2.11: symbolic sizes inside one
+            # raised a data-dependent error); the same graph with each call inlined is the
+            # per-layer compile, right if slower to build.
+            _log.warning(
+                "zrs: graph %d: the repeated blocks could not be compiled once (%s: %s); each "
+                "layer is compiled on its own instead",
+                graph_id,
+                type(e).__name__,
+                str(e).splitlines()[0] if str(e) else "",
+            )
+            inline_regions(gm)
+            return _compile_graph(gm, example_inputs, graph_id)
+
+    def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], graph_id: int):
         check = functools.partial(_check, state, graph_id)
         lower = functools.partial(_lower, state, graph_id)
         # A cache hit would skip the partitioner, the rank check and the zero3 pass.
@@ -217,7 +246,7 @@ def _inductor(
             # The profile inside the pass is exchanged between ranks: a cache hit on one rank
             # only (which skips the pass) would leave the others waiting in the exchange.
             patches["fx_graph_cache"] = False
-        token = _CURRENT.set((graph_id, is_backward, keep, lower, ctx))
+        token = _CURRENT.set((graph_id, is_backward, keep, lower, ctx, gm.graph))
         try:
             # Patched per graph, not around compile_fx: the forward and the backward differ.
             with inductor_config.patch(patches):

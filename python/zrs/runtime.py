@@ -48,6 +48,8 @@ class ZeroState:
     # The gradient reduce-scatters' own communicator over the same ranks (`reduce_group_of`).
     reduce_group: dist.ProcessGroup | None = None
     handles: list[ParamHandle] = field(default_factory=list)
+    # id(shard) -> ds_id: traced gathers name their parameter by its shard (passes/regions.py)
+    ds_ids: dict[int, int] = field(default_factory=dict)
     graph_ids: itertools.count = field(default_factory=itertools.count)
     # Schedule pass (passes.schedule): "search", "greedy" or "none"; budget in bytes or None;
     # directory for per-graph Chrome traces and memory plots, or None.
@@ -117,6 +119,7 @@ def add_handle(state: ZeroState, shard: nn.Parameter, local_id: int) -> ParamHan
     )
     _HANDLES[h.ds_id] = h
     state.handles.append(h)
+    state.ds_ids[id(shard)] = h.ds_id
     return h
 
 

@@ -8,15 +8,19 @@ swapped for a per-class subclass whose property of that name returns
 
 from __future__ import annotations
 
+import functools
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from zrs import runtime
 from zrs._core import ZrsError
+from zrs.passes.regions import UNRESOLVED
 from zrs.runtime import ParamHandle, ZeroState
 
 InitFn = Callable[[nn.Module], None]
@@ -27,7 +31,10 @@ _SUBCLASSES: dict[tuple[type, frozenset[str]], type] = {}
 def _gathered(name: str) -> property:
     def get(self: nn.Module) -> torch.Tensor:
         ds_id, shape, dtype = self._zrs_params[name]
-        full = torch.ops.zrs.gather(self._parameters[name], ds_id, shape)
+        # Traced, the id stays out of the graph (the backend resolves it from the shard), so the
+        # layers of a repeated block trace to one shared body (passes/regions.py).
+        traced_id = UNRESOLVED if torch.compiler.is_compiling() else ds_id
+        full = torch.ops.zrs.gather(self._parameters[name], traced_id, shape)
         # A cast right after the gather is fused into it by the zero3 pass (gather in bf16).
         return full if dtype is None else full.to(dtype)
 
@@ -49,15 +56,71 @@ def _guarded_register(base: type) -> Callable[..., None]:
     return register_parameter
 
 
-def _install_properties(module: nn.Module, names: frozenset[str]) -> None:
-    base = module.__class__
-    key = (base, names)
+def _install_properties(module: nn.Module, names: frozenset[str], block: bool) -> None:
+    _install_properties_on(module, module.__class__, names, block)
+
+
+def _install_properties_on(
+    module: nn.Module, base: type, names: frozenset[str], block: bool
+) -> None:
+    key = (base, names, block)
     if key not in _SUBCLASSES:
         attrs: dict[str, Any] = {n: _gathered(n) for n in names}
         attrs["_zrs_base_class"] = base
         attrs["register_parameter"] = _guarded_register(base)
+        if block:
+            # dynamo traces every layer's call into one shared body, compiled once
+            attrs["forward"] = torch.compiler.nested_compile_region(_without_aliases(base.forward))
         _SUBCLASSES[key] = type(f"Zrs{base.__name__}", (base,), attrs)
     module.__class__ = _SUBCLASSES[key]
+
+
+def _without_aliases(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """`forward`, returning a copy of any input it returns as is (T5's layers pass their position
+    bias on): a compile region's outputs may not alias its inputs."""
+
+    @functools.wraps(forward)
+    def run(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+
+        def fresh(t: Any) -> Any:
+            return t.clone() if any(t is x for x in inputs) else t
+
+        return tree_map_only(torch.Tensor, fresh, forward(self, *args, **kwargs))
+
+    return run
+
+
+def drop_regions(model: nn.Module) -> bool:
+    """Turn the model's compile regions back into plain modules; False if it had none."""
+    dropped = False
+    for module in model.modules():
+        base = getattr(module, "_zrs_base_class", None)
+        key = (base, frozenset(getattr(module, "_zrs_params", {})), True)
+        if base is not None and _SUBCLASSES.get(key) is module.__class__:
+            _install_properties_on(module, base, key[1], block=False)
+            dropped = True
+    return dropped
+
+
+def repeated_blocks(model: nn.Module) -> set[int]:
+    """ids of the modules that are layers of a stack: children of one nn.ModuleList or
+    nn.Sequential that share their class with a sibling and hold parameters. The outermost only:
+    a stack inside a layer of another stays part of that layer's body."""
+    blocks: set[int] = set()
+    inside: list[str] = []  # names of the blocks found so far (pre-order)
+    for name, module in model.named_modules():
+        if any(name.startswith(f"{b}.") for b in inside):
+            continue
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = [(n, c) for n, c in module.named_children() if any(True for _ in c.parameters())]
+        counts = Counter(type(c) for _, c in children)
+        for n, c in children:
+            if counts[type(c)] >= 2:
+                blocks.add(id(c))
+                inside.append(f"{name}.{n}" if name else n)
+    return blocks
 
 
 def check_devices(model: nn.Module) -> torch.device | None:
@@ -121,9 +184,13 @@ def _shard_one(state: ZeroState, param: nn.Parameter) -> ParamHandle:
     return runtime.add_handle(state, shard, local_id)
 
 
-def shard_model(model: nn.Module, state: ZeroState, init_fn: InitFn | None = None) -> None:
-    """Replace every parameter of `model` by its local shard, module by module."""
+def shard_model(
+    model: nn.Module, state: ZeroState, init_fn: InitFn | None = None, regions: bool = True
+) -> None:
+    """Replace every parameter of `model` by its local shard, module by module; with `regions`,
+    the layers of each stack become nested compile regions."""
     done: dict[int, ParamHandle] = {}  # id(original parameter) -> handle: tied weights share one
+    blocks = repeated_blocks(model) if regions else set()
     for module in model.modules():
         own = dict(module._parameters)
         if any(t is not None and t.is_meta for t in [*own.values(), *module._buffers.values()]):
@@ -147,7 +214,8 @@ def shard_model(model: nn.Module, state: ZeroState, init_fn: InitFn | None = Non
             specs[name] = (h.ds_id, list(h.shape), state.param_dtype)
         if specs:
             module._zrs_params = specs
-            _install_properties(module, frozenset(specs))
+        if specs or id(module) in blocks:
+            _install_properties(module, frozenset(specs), id(module) in blocks)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -1,0 +1,116 @@
+"""Repeated blocks as nested compile regions (passes/regions.py): one shared body for every
+layer, its gathers lifted to the calls, no gathered parameter saved for the backward, and
+training identical to the per-layer compile."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import fx, nn
+from torch._inductor import config as inductor_config
+
+import zrs
+from zrs import compiler, runtime
+from zrs.passes._nodes import is_op
+from zrs.sharding import repeated_blocks
+
+BACKENDS = ["eager", "inductor"]
+INVOKE = torch.ops.higher_order.invoke_subgraph
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 16, layers: int = 4, block: type = Block) -> None:
+        super().__init__()
+        self.embed = nn.Linear(d, d)
+        self.blocks = nn.ModuleList(block(d) for _ in range(layers))
+        self.head = nn.Linear(d, 32)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+class BreaksInside(Block):
+    """A block dynamo cannot capture as one region (a graph break in its forward)."""
+
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return super().forward(x)
+
+
+def test_repeated_blocks_are_the_outermost_layers_of_a_stack() -> None:
+    net = Net()
+    net.extra = nn.Sequential(nn.Linear(16, 16), nn.ReLU())  # one Linear: not a stack
+    assert repeated_blocks(net) == {id(b) for b in net.blocks}
+
+
+def _train(backend: str, regions: bool, monkeypatch, block: type = Block):
+    lowered: list[fx.Graph] = []
+    lower = compiler._lower
+
+    def spy(state, graph_id, graph, is_backward, keep, ctx):
+        lower(state, graph_id, graph, is_backward, keep, ctx)
+        lowered.append(graph)
+
+    monkeypatch.setattr(compiler, "_lower", spy)
+    torch.manual_seed(0)
+    # keep_for_backward=False: the backward gathers every parameter it needs again
+    model = zrs.compile(Net(block=block), backend=backend, regions=regions, keep_for_backward=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    params = [p.detach().clone() for p in model.parameters()]
+    runtime.reset()
+    return params, lowered
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_regions_train_like_the_per_layer_compile(backend: str, monkeypatch) -> None:
+    with inductor_config.patch(fx_graph_cache=False):  # a cache hit would skip the passes
+        shared, graphs = _train(backend, True, monkeypatch)
+        fw, bw = graphs  # before the second run: its spy calls this one's too
+        flat, _ = _train(backend, False, monkeypatch)
+    for a, b in zip(shared, flat, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for graph in (fw, bw):
+        calls = graph.find_nodes(op="call_function", target=INVOKE)
+        assert len(calls) == 4, "every layer calls the body"
+        assert len({c.args[0].target for c in calls}) == 1, "one body shared by the layers"
+    # The forward saves no gathered parameter for the backward: each is gathered again there.
+    waits = {n for n in fw.nodes if is_op(n, "wait_allgathers") or is_op(n, "wait_allgather")}
+    outputs = next(iter(fw.find_nodes(op="output"))).args[0]
+    saved = [o for o in outputs if isinstance(o, fx.Node)]
+    assert not any(o in waits or (o.args and o.args[0] in waits) for o in saved)
+    gathered_in_bw = sum(
+        len(n.args[1]) if is_op(n, "allgather_params") else 1
+        for n in bw.nodes
+        if is_op(n, "allgather_params") or is_op(n, "allgather_param")
+    )
+    # each layer's norm, up and down weights and the head's: what their input gradients need
+    assert gathered_in_bw >= 4 * 3 + 1, "the backward gathers the weights it needs again"
+
+
+def test_a_block_dynamo_cannot_capture_falls_back_to_per_layer(monkeypatch, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="zrs"):
+        shared, _ = _train("eager", True, monkeypatch, block=BreaksInside)
+    assert any("compiled on its own" in r.getMessage() for r in caplog.records)
+    flat, _ = _train("eager", False, monkeypatch, block=BreaksInside)
+    for a, b in zip(shared, flat, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -131,6 +131,10 @@ def compile(
             shapes change from step to step, or differ between the ranks, never make one rank
             compile alone; with one process torch.compile's default (a shape change recompiles
             once, with the changed sizes symbolic).
+        timeout: seconds a rank waits for the others before each graph compile; a rank that
+            compiles alone then raises ZrsError, and so do its peers when their collective
+            fails (gloo; NCCL peers are not yet woken). Default: the timeout of the process
+            group's store (init_process_group's timeout).
         regions: compile each repeated block once and reuse its code for every layer: the
             children of an nn.ModuleList or nn.Sequential that share a class (a transformer's
             layers) become nested compile regions (`torch.compiler.nested_compile_region`),
@@ -138,10 +142,6 @@ def compile(
             step's compile then grows with the distinct blocks, not the layers. A model whose
             blocks dynamo cannot capture as regions falls back to per-layer compilation (with a
             warning on the "zrs" logger). False: trace every layer on its own.
-        timeout: seconds a rank waits for the others before each graph compile; a rank that
-            compiles alone then raises ZrsError, and so do its peers when their collective
-            fails (gloo; NCCL peers are not yet woken). Default: the timeout of the process
-            group's store (init_process_group's timeout).
 
     Returns the same model object, sharded and compiled in place.
     """

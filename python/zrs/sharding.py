@@ -25,7 +25,8 @@ from zrs.runtime import ParamHandle, ZeroState
 
 InitFn = Callable[[nn.Module], None]
 
-_SUBCLASSES: dict[tuple[type, frozenset[str]], type] = {}
+# (base class, sharded parameter names, is a repeated block) -> the class swapped in
+_SUBCLASSES: dict[tuple[type, frozenset[str], bool], type] = {}
 
 
 def _gathered(name: str) -> property:
@@ -56,13 +57,7 @@ def _guarded_register(base: type) -> Callable[..., None]:
     return register_parameter
 
 
-def _install_properties(module: nn.Module, names: frozenset[str], block: bool) -> None:
-    _install_properties_on(module, module.__class__, names, block)
-
-
-def _install_properties_on(
-    module: nn.Module, base: type, names: frozenset[str], block: bool
-) -> None:
+def _install_properties(module: nn.Module, base: type, names: frozenset[str], block: bool) -> None:
     key = (base, names, block)
     if key not in _SUBCLASSES:
         attrs: dict[str, Any] = {n: _gathered(n) for n in names}
@@ -98,7 +93,7 @@ def drop_regions(model: nn.Module) -> bool:
         base = getattr(module, "_zrs_base_class", None)
         key = (base, frozenset(getattr(module, "_zrs_params", {})), True)
         if base is not None and _SUBCLASSES.get(key) is module.__class__:
-            _install_properties_on(module, base, key[1], block=False)
+            _install_properties(module, base, key[1], block=False)
             dropped = True
     return dropped
 
@@ -215,7 +210,7 @@ def shard_model(
         if specs:
             module._zrs_params = specs
         if specs or id(module) in blocks:
-            _install_properties(module, frozenset(specs), id(module) in blocks)
+            _install_properties(module, module.__class__, frozenset(specs), id(module) in blocks)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ from torch import fx, nn
 from torch._inductor import config as inductor_config
 
 import zrs
+from zoo import LR, MOMENTUM, STEPS, ZOO, compare_params, train_reference
 from zrs import compiler, runtime
 from zrs.passes._nodes import is_op
 from zrs.sharding import repeated_blocks
@@ -55,6 +56,7 @@ class BreaksInside(Block):
 def test_repeated_blocks_are_the_outermost_layers_of_a_stack() -> None:
     net = Net()
     net.extra = nn.Sequential(nn.Linear(16, 16), nn.ReLU())  # one Linear: not a stack
+    net.mlp = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))  # layers, not blocks of layers
     assert repeated_blocks(net) == {id(b) for b in net.blocks}
 
 
@@ -105,6 +107,23 @@ def test_regions_train_like_the_per_layer_compile(backend: str, monkeypatch) -> 
     )
     # each layer's norm, up and down weights and the head's: what their input gradients need
     assert gathered_in_bw >= 4 * 3 + 1, "the backward gathers the weights it needs again"
+
+
+def test_a_block_input_saved_for_the_backward_outlives_the_next_block() -> None:
+    """Unscheduled, inductor reused the buffer of a block's input (which the block's forward
+    returns as saved for its backward) for the next block's work: the backward read another
+    tensor and every gradient below the last block's norm was wrong."""
+    spec = ZOO["gpt_tied"]
+    with inductor_config.patch(fx_graph_cache=False):
+        model = zrs.compile(spec.build(), backend="inductor", scheduler="none")
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        for step in range(STEPS):
+            spec.loss(model, spec.batch(0, step)).backward()
+            opt.step()
+            opt.zero_grad()
+    state = zrs.full_state_dict(model)
+    runtime.reset()
+    assert not compare_params(state, train_reference(spec, 1).final, rtol=1e-5, atol=1e-6)
 
 
 def test_a_block_dynamo_cannot_capture_falls_back_to_per_layer(monkeypatch, caplog) -> None:

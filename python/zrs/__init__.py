@@ -210,18 +210,38 @@ def _compile_in_place(model: nn.Module, backend: Any, entry: int, dynamic: bool 
         nonlocal compiled
         try:
             return compiled(*args, **kwargs)
-        except UncapturedHigherOrderOpError as e:
-            if not drop_regions(model):
+        except ZrsError:
+            raise
+        except Exception as e:
+            if not _raised_compiling(e) or not drop_regions(model):
                 raise
             _log.warning(
-                "zrs: the model's repeated blocks cannot be compiled once and reused (%s); each "
-                "layer is compiled on its own instead",
-                str(e).splitlines()[0],
+                "zrs: the model's repeated blocks cannot be compiled once and reused (%s: %s); "
+                "each layer is compiled on its own instead",
+                type(e).__name__,
+                str(e).splitlines()[0] if str(e) else "",
             )
             compiled = _compiled_forward(model, backend, f"zrs_forward_{entry}_flat", dynamic)
             return compiled(*args, **kwargs)
 
     model._compiled_call_impl = forward
+
+
+def _raised_compiling(e: BaseException) -> bool:
+    """True if `e` came out of dynamo compiling a frame (capture, AOTAutograd, inductor), not out
+    of running compiled code: only then may a failure be the regions' (torch 2.11 fails on some
+    regions that it inlines fine, e.g. an internal assertion at GPT-2's tanh GELU)."""
+    if isinstance(e, UncapturedHigherOrderOpError):  # raised without dynamo's frames
+        return True
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(_CONVERT_FRAME):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+_CONVERT_FRAME = os.path.join("torch", "_dynamo", "convert_frame.py")
 
 
 def _compiled_forward(model: nn.Module, backend: Any, name: str, dynamic: bool | None) -> Any:
@@ -242,14 +262,17 @@ def _compiled_forward(model: nn.Module, backend: Any, name: str, dynamic: bool |
     # zero state). A code object of its own per model keeps their entries apart.
     zrs_forward.__code__ = zrs_forward.__code__.replace(co_name=name)
     compiled = torch.compile(zrs_forward, backend=backend, dynamic=dynamic)
-    if not dynamic:
-        return compiled
 
-    def forward_without_duck_sizing(*args: Any, **kwargs: Any) -> Any:
+    def forward(*args: Any, **kwargs: Any) -> Any:
         # Duck sizing gives two sizes that are equal at the first compile one symbol (batch 8,
         # length 8): a rank whose sizes differ then traces another graph, or recompiles alone
-        # once they part. Each size gets its own symbol.
-        with fx_config.patch(use_duck_shape=False):
+        # once they part. Each size gets its own symbol. Float attributes (a norm's epsilon)
+        # are constants: with dynamic sizes dynamo (torch 2.11) passed them to a compile region
+        # as tensors read with .item(), which AOTAutograd refused, so no region survived.
+        with (
+            fx_config.patch(use_duck_shape=not dynamic),
+            torch._dynamo.config.patch(specialize_float=True),
+        ):
             return compiled(*args, **kwargs)
 
-    return forward_without_duck_sizing
+    return forward

@@ -98,10 +98,15 @@ def drop_regions(model: nn.Module) -> bool:
     return dropped
 
 
+def _composes_layers(module: nn.Module) -> bool:
+    return any(True for child in module.children() for _ in child.parameters())
+
+
 def repeated_blocks(model: nn.Module) -> set[int]:
     """ids of the modules that are layers of a stack: children of one nn.ModuleList or
-    nn.Sequential that share their class with a sibling and hold parameters. The outermost only:
-    a stack inside a layer of another stays part of that layer's body."""
+    nn.Sequential that share their class with a sibling and are blocks of parametrised modules
+    (a stack of nn.Linear gains nothing: each region would be one op). The outermost only: a
+    stack inside a layer of another stays part of that layer's body."""
     blocks: set[int] = set()
     inside: list[str] = []  # names of the blocks found so far (pre-order)
     for name, module in model.named_modules():
@@ -109,7 +114,7 @@ def repeated_blocks(model: nn.Module) -> set[int]:
             continue
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
-        children = [(n, c) for n, c in module.named_children() if any(True for _ in c.parameters())]
+        children = [(n, c) for n, c in module.named_children() if _composes_layers(c)]
         counts = Counter(type(c) for _, c in children)
         for n, c in children:
             if counts[type(c)] >= 2:

@@ -12,10 +12,21 @@ OPS = torch.ops.zrs
 # "-> Tensor(a)" or "-> Tensor(a)[]" (a view), but not "-> Tensor(a!)" (an in-place op).
 _RETURN_ALIAS = re.compile(r"->\s*Tensor\((\w+)\)")
 CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
+INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 
 
 def is_op(node: fx.Node, name: str) -> bool:
     return node.op == "call_function" and node.target is getattr(OPS, name).default
+
+
+def region_body(node: fx.Node) -> fx.GraphModule | None:
+    """The body an invoke_subgraph call runs (a nested compile region); None for other nodes."""
+    if node.op != "call_function" or node.target is not INVOKE_SUBGRAPH:
+        return None
+    owner, attr = node.graph.owning_module, node.args[0]
+    if owner is None or not isinstance(attr, fx.Node) or attr.op != "get_attr":
+        return None
+    return getattr(owner, attr.target)
 
 
 def is_view(node: fx.Node) -> bool:

@@ -22,9 +22,9 @@ import torch
 from torch import fx
 
 from zrs._core import ZrsError
+from zrs.passes._nodes import INVOKE_SUBGRAPH, region_body
 
 UNRESOLVED = -1  # the ds_id of a gather as the property traces it
-_INVOKE = torch.ops.higher_order.invoke_subgraph
 
 
 def is_gather(n: fx.Node) -> bool:
@@ -93,7 +93,8 @@ def _lift_body(gm: fx.GraphModule, name: str, calls: list[fx.Node]) -> bool:
 
 def _inline(gm: fx.GraphModule, call: fx.Node) -> None:
     """Replace one invoke_subgraph call by a copy of its body."""
-    body: fx.GraphModule = getattr(gm, call.args[0].target)
+    body = region_body(call)
+    assert body is not None
     placeholders = list(body.graph.find_nodes(op="placeholder"))
     env: dict[fx.Node, Any] = dict(zip(placeholders, call.args[2:], strict=True))
     with gm.graph.inserting_before(call):
@@ -117,7 +118,7 @@ def lift_region_gathers(gm: fx.GraphModule) -> int:
     regions, but right.
     """
     calls: dict[str, list[fx.Node]] = {}
-    for n in gm.graph.find_nodes(op="call_function", target=_INVOKE):
+    for n in gm.graph.find_nodes(op="call_function", target=INVOKE_SUBGRAPH):
         calls.setdefault(n.args[0].target, []).append(n)
     lifted = 0
     for name, sites in calls.items():
@@ -133,7 +134,7 @@ def lift_region_gathers(gm: fx.GraphModule) -> int:
 
 def inline_regions(gm: fx.GraphModule) -> None:
     """Inline every nested compile region of the graph (the per-layer graph)."""
-    for call in list(gm.graph.find_nodes(op="call_function", target=_INVOKE)):
+    for call in list(gm.graph.find_nodes(op="call_function", target=INVOKE_SUBGRAPH)):
         _inline(gm, call)
     gm.graph.lint()
     gm.recompile()

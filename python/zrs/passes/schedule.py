@@ -82,7 +82,7 @@ from torch._guards import detect_fake_mode
 from zrs import plan as zplan
 from zrs._core import ZrsError
 from zrs.exchange import all_gather_bytes
-from zrs.passes._nodes import OPS, alias_closure, is_op, is_view, tensors_in, val
+from zrs.passes._nodes import OPS, alias_closure, is_op, is_view, region_body, tensors_in, val
 from zrs.profile import SYMBOLIC_DIM, SizeHints, concrete, profile_graph, size_hints
 
 SCHEDULERS = ("search", "greedy", "none")
@@ -204,7 +204,10 @@ def _attention_flops(q: list[int], k: list[int], v: list[int]) -> float:
 
 
 def flops(node: fx.Node, hints: SizeHints | None = None) -> float:
-    """Floating-point operations of the big ops (0 for the rest)."""
+    """Floating-point operations of the big ops (0 for the rest); a region's are its body's."""
+    body = region_body(node)
+    if body is not None:
+        return sum(flops(n, hints) for n in body.graph.nodes)
     target, args = node.target, node.args
 
     if target in _MATMULS:
@@ -238,7 +241,12 @@ def flops(node: fx.Node, hints: SizeHints | None = None) -> float:
 
 
 def estimate_us(node: fx.Node, device_type: str, hints: SizeHints | None = None) -> float:
-    """Analytic device time of one compute node: floor + max(flops / FLOPS, bytes / BW)."""
+    """Analytic device time of one compute node: floor + max(flops / FLOPS, bytes / BW); a
+    region's is the sum over its body's compute nodes."""
+    body = region_body(node)
+    if body is not None:
+        inner = [n for n in body.graph.nodes if _kind(n) == "compute"]
+        return sum(estimate_us(n, device_type, hints) for n in inner)
     rate, bandwidth, floor = DEVICE_RATES.get(device_type, DEVICE_RATES["cuda"])
     moved = sum(_bytes(val(a), hints) for a in node.all_input_nodes)
     moved += sum(_bytes(t, hints) for t in tensors_in(val(node)))

@@ -201,6 +201,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="zrs.compile(regions=False): trace every layer on its own",
     )
     p.add_argument(
+        "--zrs-dynamic",
+        action="store_true",
+        help="zrs.compile(dynamic=True): symbolic sizes from the first compile (the default at "
+        "several ranks; at world 1 torch.compile's static-first)",
+    )
+    p.add_argument(
         "--zrs-shared-reduce-communicator",
         action="store_true",
         help="zrs.compile(separate_reduce_communicator=False): gathers and reduce-scatters on "
@@ -217,6 +223,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["zero_init", "full"],
         default="zero_init",
         help="DeepSpeed model construction: under deepspeed.zero.Init (default) or full on the GPU",
+    )
+    p.add_argument(
+        "--no-cudnn-sdpa",
+        action="store_true",
+        help="torch.backends.cuda.enable_cudnn_sdp(False): SDPA takes flash attention. cuDNN's "
+        "attention builds a plan per new shape on the host (~0.5 s per new length at 1b)",
     )
     p.add_argument(
         "--trace",
@@ -490,6 +502,7 @@ def build_zrs(ctx: Ctx) -> Built:
         scheduler=ctx.args.zrs_scheduler,
         separate_reduce_communicator=not ctx.args.zrs_shared_reduce_communicator,
         regions=not ctx.args.zrs_no_regions,
+        dynamic=True if ctx.args.zrs_dynamic else None,
     )
     opt = adamw(model.parameters(), ctx)
     return Built(
@@ -718,6 +731,7 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
         "layers": spec.n_layers,
         "param_dtype": args.param_dtype,
         "reduce_dtype": built.reduce_dtype,
+        "cudnn_sdpa": not args.no_cudnn_sdpa,
     }
     if spec.hf_model is not None:
         import transformers
@@ -731,6 +745,7 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
         record["zrs_backend"] = args.zrs_backend
         record["zrs_scheduler"] = args.zrs_scheduler
         record["zrs_regions"] = not args.zrs_no_regions
+        record["zrs_dynamic"] = bool(args.zrs_dynamic) or built.world > 1
         record["zrs_reduce_communicator"] = (
             "shared" if args.zrs_shared_reduce_communicator else "separate"
         )
@@ -1052,6 +1067,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.table is not None:
         print(table(read_records(args.table)))
         return
+    if args.no_cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     worker(args)
 
 

@@ -242,6 +242,11 @@ def _inductor(
             # Its topological sorts would undo the plan: how far a prefetch runs ahead of the
             # compute that needs it is no data dependency.
             patches["reorder_for_peak_memory"] = False
+        if _has_symbolic_sizes(inputs):
+            # Inductor's mix-order reduction fuses only above a size, and with symbolic sizes it
+            # guarded on the size: Llama 1b on varying lengths compiled a graph per side of each
+            # threshold (~75 s each). Non-strict mode decides without the size, hence no guard.
+            patches["triton.mix_order_reduction_non_strict_mode"] = True
         if ctx.profile and ctx.world > 1:
             # The profile inside the pass is exchanged between ranks: a cache hit on one rank
             # only (which skips the pass) would leave the others waiting in the exchange.
@@ -256,6 +261,14 @@ def _inductor(
 
     with inductor_config.patch(custom_partitioner_fn=PARTITIONER, **SAME_ON_EVERY_RANK):
         return compile_fx(gm, example_inputs, inner_compile=inner)
+
+
+def _has_symbolic_sizes(inputs: list[Any]) -> bool:
+    return any(
+        isinstance(x, torch.SymInt)
+        or (isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape))
+        for x in inputs
+    )
 
 
 def _eager(gm: fx.GraphModule, example_inputs: list[Any], check, lower, context, keeps):

@@ -53,3 +53,21 @@ def test_save_pretrained_writes_full_weights_that_from_pretrained_loads(tmp_path
         torch.testing.assert_close(spec.loss(again, batch), spec.loss(reference, batch))
     finally:
         runtime.reset()
+
+
+def test_the_loss_is_compiled_with_the_model_without_a_graph_break():
+    """Transformers' `loss_function` property logs a warning when the config names no loss type;
+    dynamo broke the graph there and traced the whole forward twice. zrs resolves it before the
+    compile, to the function the property gives."""
+    from torch._dynamo.utils import counters
+
+    spec = HF_ZOO["hf_gpt2"]
+    expected = spec.build().loss_function
+    model = zrs.compile(spec.build(), backend="eager")
+    counters.clear()
+    try:
+        spec.loss(model, spec.batch(0, 0)).backward()
+    finally:
+        runtime.reset()
+    assert model.loss_function is expected
+    assert not counters["graph_break"], dict(counters["graph_break"])

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._dynamo.exc import UncapturedHigherOrderOpError
+from torch._dynamo.exc import TorchDynamoException
 from torch.fx.experimental import _config as fx_config
 from torch.utils._pytree import tree_map
 
@@ -210,10 +210,11 @@ def _compile_in_place(model: nn.Module, backend: Any, entry: int, dynamic: bool 
         nonlocal compiled
         try:
             return compiled(*args, **kwargs)
-        except ZrsError:
-            raise
         except Exception as e:
-            if not _raised_compiling(e) or not drop_regions(model):
+            ours = _zrs_error(e)
+            if ours is not None and ours is not e:
+                raise ours from e  # not dynamo's BackendCompilerFailed: `except ZrsError` works
+            if ours is not None or not _raised_compiling(e) or not drop_regions(model):
                 raise
             _log.warning(
                 "zrs: the model's repeated blocks cannot be compiled once and reused (%s: %s); "
@@ -227,11 +228,23 @@ def _compile_in_place(model: nn.Module, backend: Any, entry: int, dynamic: bool 
     model._compiled_call_impl = forward
 
 
+def _zrs_error(e: BaseException) -> ZrsError | None:
+    """The ZrsError `e` is or wraps (dynamo wraps a backend's errors in BackendCompilerFailed)."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, ZrsError):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__ or getattr(cur, "inner_exception", None)
+    return None
+
+
 def _raised_compiling(e: BaseException) -> bool:
     """True if `e` came out of dynamo compiling a frame (capture, AOTAutograd, inductor), not out
     of running compiled code: only then may a failure be the regions' (torch 2.11 fails on some
     regions that it inlines fine, e.g. an internal assertion at GPT-2's tanh GELU)."""
-    if isinstance(e, UncapturedHigherOrderOpError):  # raised without dynamo's frames
+    if isinstance(e, TorchDynamoException):  # dynamo's own, often without its frames
         return True
     tb = e.__traceback__
     while tb is not None:

@@ -8,6 +8,12 @@ and `save_pretrained()` writes them. On the sharded instance:
 * `save_pretrained(dir, ...)` needs the full tensors: `state_dict=zrs.full_state_dict(model)` (a
   collective, on every rank), else ZrsError. `from_pretrained` is a class method that builds a new,
   unsharded model: load before zrs.compile, as with any model.
+
+The loss function is resolved once, before the model is compiled. Transformers' `loss_function`
+property logs a warning (once per process) when the config names no loss type, and dynamo breaks
+the graph at any logging call: the compile traced the whole forward, failed at the loss, and
+traced it again up to there (20 s of GPT-2 XL's first step on an H200). The property reads
+`_loss_function` first when it is set, so the model keeps its own choice of loss.
 """
 
 from __future__ import annotations
@@ -57,3 +63,5 @@ def adopt_conventions(model: nn.Module) -> None:
     save = getattr(model, "save_pretrained", None)
     if callable(save):
         model.save_pretrained = functools.partial(_save_pretrained, save)
+    if isinstance(getattr(type(model), "loss_function", None), property):
+        model._loss_function = model.loss_function

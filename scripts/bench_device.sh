@@ -12,9 +12,10 @@
 #            when deepspeed imports
 #
 # Every sharded system runs twice: over NVLink (tag "") and with NCCL_P2P_DISABLE=1 (tag
-# "nop2p", bandwidth-limited). "single" runs once, on one GPU. Each run is bounded by
-# BENCH_TIMEOUT seconds (default 420, under the device tool's 600 s a call); a run that dies or
-# times out without writing its line gets an error line here. The first tag's run of each system
+# "nop2p", bandwidth-limited). "single" runs on one GPU, under each tag but the nop2p ones
+# (a variant such as "flash" gets its bound). Each run is bounded by BENCH_TIMEOUT seconds
+# (default 420, under the device tool's 600 s a call); a run that dies or times out without
+# writing its line gets an error line here. The first tag's run of each system
 # starts from empty inductor/Triton caches, and for zrs an empty torch extensions folder, so its
 # copy kernels build inside the run (warmup_s is a cold start; BENCH_CACHE=cold in its record);
 # later tags reuse that system's cache (BENCH_CACHE=warm). NVLink multicast stays off
@@ -29,7 +30,7 @@
 set -uo pipefail
 
 if [[ $# -lt 3 ]]; then
-    sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 PRESET=$1 NPROC=$2 RESULTS=$3
@@ -132,7 +133,8 @@ for tag in "${TAGS[@]}"; do
     [[ $tag == nvlink ]] && tag=""
     for s in "${SYSTEMS[@]}"; do
         if [[ $s == single ]]; then
-            [[ -z $tag ]] && run single "" 1 1  # compute-only bound: no links involved
+            # compute-only bound: no links involved, so not under the nop2p tags
+            [[ $tag != nop2p* ]] && run single "$tag" 1 1
             continue
         fi
         run "$s" "$tag" "$NPROC" "$first"

@@ -240,6 +240,9 @@ def _zrs_error(e: BaseException) -> ZrsError | None:
     return None
 
 
+_CONVERT_FRAME = os.path.join("torch", "_dynamo", "convert_frame.py")
+
+
 def _raised_compiling(e: BaseException) -> bool:
     """True if `e` came out of dynamo compiling a frame (capture, AOTAutograd, inductor), not out
     of running compiled code: only then may a failure be the regions' (torch 2.11 fails on some
@@ -252,9 +255,6 @@ def _raised_compiling(e: BaseException) -> bool:
             return True
         tb = tb.tb_next
     return False
-
-
-_CONVERT_FRAME = os.path.join("torch", "_dynamo", "convert_frame.py")
 
 
 def _compiled_forward(model: nn.Module, backend: Any, name: str, dynamic: bool | None) -> Any:

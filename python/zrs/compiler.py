@@ -32,11 +32,11 @@ from zrs.passes.coalesce import coalesce
 from zrs.passes.consistency import check_same_graph
 from zrs.passes.grad_buckets import plan_grad_buckets
 from zrs.passes.keep import keep_allowance, keep_for_backward
-from zrs.passes.recompute import reroute_saved_parameters, tag_gathers_for_recompute
+from zrs.passes.recompute import reroute_aliased_outputs, tag_gathers_for_recompute
 from zrs.passes.regions import inline_regions, lift_region_gathers, resolve_gathers
 from zrs.passes.schedule import ScheduleContext, device_budget, graph_label, schedule_graph
 from zrs.passes.zero3 import lower_zero3
-from zrs.profile import measure_collectives
+from zrs.profile import measure_collectives, symints
 from zrs.runtime import ZeroState, handle
 
 BACKENDS = ("inductor", "eager")
@@ -53,7 +53,7 @@ class ZeroPartitioner(CustomPartitionerFn):
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
         tag_gathers_for_recompute(gm.graph)
-        reroute_saved_parameters(gm)
+        reroute_aliased_outputs(gm)
         kwargs.setdefault("compiler", "inductor")
         return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
 
@@ -242,7 +242,7 @@ def _inductor(
             # Its topological sorts would undo the plan: how far a prefetch runs ahead of the
             # compute that needs it is no data dependency.
             patches["reorder_for_peak_memory"] = False
-        if _has_symbolic_sizes(inputs):
+        if symints(inputs):
             # Inductor's mix-order reduction fuses only above a size, and with symbolic sizes it
             # guarded on the size: Llama 1b on varying lengths compiled a graph per side of each
             # threshold (~75 s each). Non-strict mode decides without the size, hence no guard.
@@ -261,14 +261,6 @@ def _inductor(
 
     with inductor_config.patch(custom_partitioner_fn=PARTITIONER, **SAME_ON_EVERY_RANK):
         return compile_fx(gm, example_inputs, inner_compile=inner)
-
-
-def _has_symbolic_sizes(inputs: list[Any]) -> bool:
-    return any(
-        isinstance(x, torch.SymInt)
-        or (isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape))
-        for x in inputs
-    )
 
 
 def _eager(gm: fx.GraphModule, example_inputs: list[Any], check, lower, context, keeps):

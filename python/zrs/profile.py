@@ -71,13 +71,14 @@ SYMBOLIC_DIM = 64
 SizeHints = Mapping[Any, int]
 
 
-def _symints(value: Any) -> list[torch.SymInt]:
+def symints(value: Any) -> list[torch.SymInt]:
+    """The symbolic sizes and strides in `value` (a tensor, a SymInt, or lists of them)."""
     if isinstance(value, torch.SymInt):
         return [value]
     if isinstance(value, torch.Tensor):
         return [d for d in (*value.shape, *value.stride()) if isinstance(d, torch.SymInt)]
     if isinstance(value, (tuple, list)):
-        return [s for v in value for s in _symints(v)]
+        return [s for v in value for s in symints(v)]
     return []
 
 
@@ -89,7 +90,7 @@ def size_hints(graph: fx.Graph, group: dist.ProcessGroup | None) -> dict[Any, in
     alike everywhere, and the largest plans for the worst case."""
     symbols: dict[str, tuple[Any, Any]] = {}
     for n in graph.find_nodes(op="placeholder"):
-        for s in _symints(val(n)):
+        for s in symints(val(n)):
             for sym in s.node.expr.free_symbols:
                 symbols.setdefault(str(sym), (sym, s.node.shape_env))
     if not symbols:

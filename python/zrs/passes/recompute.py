@@ -67,7 +67,7 @@ def _copy_output(body: fx.GraphModule, index: int) -> None:
     body.recompile()
 
 
-def reroute_saved_parameters(gm: fx.GraphModule) -> int:
+def reroute_aliased_outputs(gm: fx.GraphModule) -> int:
     """In the joint graph: a block's output that is one of the block's inputs (or a view of one)
     is replaced, for its users, by that view taken outside the block. A gathered parameter's view
     is tagged for recompute, so the backward gathers it again. A view sized by the block's own

@@ -238,6 +238,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "in DIR and the ops with the most device time per step in the record",
     )
     p.add_argument(
+        "--host-profile",
+        type=Path,
+        metavar="DIR",
+        help="after the timed steps, run 3 more under cProfile: the raw profile per rank in DIR "
+        "(read it with pstats) and the functions with the most host time per step in the record",
+    )
+    p.add_argument(
         "--memory",
         type=Path,
         metavar="DIR",
@@ -761,6 +768,8 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
     record.update(built.versions or {})
     if args.trace is not None:
         record.update(profile_steps(system, ctx, built, data, warmup + args.steps))
+    if args.host_profile is not None:
+        record["host_profile"] = host_profile(system, ctx, built, data, warmup + args.steps)
     if args.memory is not None and device.type == "cuda":
         record["memory_at_peak"] = memory_step(system, ctx, built, data, warmup + args.steps)
     if built.close is not None:
@@ -838,6 +847,50 @@ def profile_steps(system: str, ctx: Ctx, built: Built, data: Data, start: int) -
             [e.key, e.count // TRACE_STEPS, round(e.cpu_time_total / 1e3 / TRACE_STEPS, 3)]
             for e in zrs_ops
         ],
+    }
+
+
+HOST_TOP = 30
+
+
+def host_profile(system: str, ctx: Ctx, built: Built, data: Data, start: int) -> dict:
+    """TRACE_STEPS more steps under cProfile (after the timed ones): the host's wall time per step,
+    and the functions with the most own time and the most time with their callees, ms per step.
+    A device sync ends each step, so a wait for the GPU shows as the sync's own time."""
+    import cProfile
+    import pstats
+
+    sync(ctx.device)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for i in range(TRACE_STEPS):
+        built.step(*data(start + i))
+        sync(ctx.device)
+    prof.disable()
+    wall = time.perf_counter() - t0
+    args = ctx.args
+    args.host_profile.mkdir(parents=True, exist_ok=True)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    path = args.host_profile / f"{args.preset}_{system}_{args.tag or 'nvlink'}_rank{rank}.prof"
+    prof.dump_stats(path)
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, ncalls, tottime, cumtime, _)
+
+    def label(key: tuple) -> str:
+        file, line, name = key
+        return f"{Path(file).name}:{line}:{name}" if line else name
+
+    def top(index: int) -> list:
+        rows = sorted(stats.items(), key=lambda kv: kv[1][index], reverse=True)[:HOST_TOP]
+        return [
+            [label(k), v[1] // TRACE_STEPS, round(v[index] * 1e3 / TRACE_STEPS, 3)] for k, v in rows
+        ]
+
+    return {
+        "profile": str(path),
+        "step_ms": round(wall * 1e3 / TRACE_STEPS, 2),
+        "self_ms": top(2),  # [function, calls per step, own ms per step]
+        "cumulative_ms": top(3),
     }
 
 

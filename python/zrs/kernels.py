@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -279,8 +279,9 @@ def _fake_none(*args, **kwargs):
     return None
 
 
-def register(lib: torch.library.Library) -> None:
-    """Register the torch implementations and the fakes of the copy ops on `lib` (zrs.ops)."""
+def register(lib: torch.library.Library, outside_dynamo: Callable[[Callable], Callable]) -> None:
+    """Register the torch implementations and the fakes of the copy ops on `lib` (zrs.ops), each
+    wrapped by `outside_dynamo` (zrs.ops: dynamo's frame hook off while it runs)."""
     impls = {
         "pack_cast": _pack_cast,
         "unpack_rank_major": _unpack_rank_major,
@@ -288,7 +289,7 @@ def register(lib: torch.library.Library) -> None:
     }
     for name, fn in impls.items():
         # Keep dynamo out of these when they run eagerly inside a compiled region's frame.
-        lib.impl(name, torch.compiler.disable(fn, recursive=True), "CompositeExplicitAutograd")
+        lib.impl(name, outside_dynamo(fn), "CompositeExplicitAutograd")
         torch.library.register_fake(f"zrs::{name}", _fake_none, lib=lib)
 
 

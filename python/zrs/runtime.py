@@ -69,10 +69,13 @@ class ZeroState:
     compile_s: dict[str, float] = field(default_factory=dict)
     # Where the ranks meet before each graph compile (None for one rank).
     rendezvous: CompileRendezvous | None = None
+    # Collectives on side streams (zrs.streams), decided once: the ops ask on every call.
+    comm_streams: bool = field(init=False)
 
     def __post_init__(self) -> None:
         if self.reduce_group is None:
             self.reduce_group = self.group
+        self.comm_streams = streams.enabled(self.device)
 
     def wait(self, work: dist.Work | None) -> None:
         """Wait for a collective; when it fails because a peer compiled a graph that this rank
@@ -292,6 +295,9 @@ def issue_gather(
     """Start one all-gather for every handle whose registry says a collective is needed.
 
     Runs inside the zrs ops, below autograd: the shards need no `detach`."""
+    if len(hs) == 1:
+        _issue_one(hs[0], shards[0], dtypes[0])
+        return
     todo = []
     for h, s, dt in zip(hs, shards, dtypes, strict=True):
         if _KEPT and _claim_kept(h, dt):
@@ -317,7 +323,7 @@ def issue_gather(
         _set_buffer(h, torch.empty(h.padded_numel, dtype=dtype, device=device))
     else:
         flat = _group_buffer([h for h, _, _ in todo], dtype, device)
-    side = streams.side_stream(device, "gather")
+    side = streams.side_stream(device, "gather") if state.comm_streams else None
     if side is None or state.world_size == 1:
         if flat is not None and state.world_size > 1:
             # A fused gather lands in its receive buffer and is unpacked at the first wait: until
@@ -339,12 +345,43 @@ def issue_gather(
         _IN_FLIGHT[h.ds_id] = flight
 
 
+def _issue_one(h: ParamHandle, shard: torch.Tensor, dtype: torch.dtype) -> None:
+    """`issue_gather` of one parameter: the per-parameter gathers of a plan (the large weights,
+    which the planner does not fuse) take this path, so it does the least work per call."""
+    if _KEPT and _claim_kept(h, dtype):
+        return
+    state = h.state
+    if not state.registry.start_gather(h.local_id):
+        if h.ds_id in _BUFFERS and _BUFFERS[h.ds_id].dtype != dtype:
+            raise ZrsError(
+                f"parameter ds_id {h.ds_id} is already gathered in {_BUFFERS[h.ds_id].dtype} and "
+                f"was gathered again in {dtype} before its release; this is a zero3 pass bug"
+            )
+        return
+    buf = torch.empty(h.padded_numel, dtype=dtype, device=shard.device)
+    _set_buffer(h, buf)
+    if state.world_size == 1:
+        buf.copy_(shard.reshape(-1))  # below autograd (an op's kernel): a plain cast-copy
+        return
+    todo = [(h, shard, dtype)]
+    side = streams.side_stream(shard.device, "gather") if state.comm_streams else None
+    if side is None:
+        flight = _start_gather(todo, state, dtype, shard.device, None, async_op=True)
+    else:
+        with streams.running_on(side) as done:
+            flight = _start_gather(todo, state, dtype, shard.device, None, async_op=False)
+        assert flight is not None  # several ranks: a collective is in flight
+        flight.done = done[0]
+    assert flight is not None
+    _IN_FLIGHT[h.ds_id] = flight
+
+
 def _group_buffer(hs: list[ParamHandle], dtype: torch.dtype, device: torch.device) -> _Flat:
     """One buffer for the gathered members of a fused gather; each member's buffer a view."""
     sizes = [h.padded_numel for h in hs]
     buf = torch.empty(sum(sizes), dtype=dtype, device=device)
     flat = _Flat(buf, len(hs))
-    for h, view in zip(hs, buf.split(sizes), strict=True):
+    for h, view in zip(hs, buf.split_with_sizes(sizes), strict=True):
         _set_buffer(h, view)
         _FLAT_OF[h.ds_id] = flat
     return flat
@@ -391,11 +428,11 @@ def _start_gather(
 
 
 def allgather_param(shard: torch.Tensor, ds_id: int, dtype: torch.dtype | None) -> torch.Tensor:
-    h = handle(ds_id)
+    h = _HANDLES.get(ds_id) or handle(ds_id)
     if ds_id in _PREFETCHED:
         _PREFETCHED.discard(ds_id)  # the prefetch already took this gather's holder
     else:
-        issue_gather([h], [shard], [dtype or shard.dtype])
+        _issue_one(h, shard, dtype or shard.dtype)
     return _shaped(h)
 
 
@@ -585,7 +622,7 @@ def _flush(key: tuple[int, torch.dtype]) -> None:
         _REDUCING.append(_Reduce(None, packed.view(-1), bucket.members, packed))
         return
     out = torch.empty(bucket.used, dtype=dtype, device=packed.device)
-    side = streams.side_stream(packed.device, "reduce")
+    side = streams.side_stream(packed.device, "reduce") if state.comm_streams else None
     if side is None:
         work = reduce_scatter(out, packed.view(-1), state.reduce_group, async_op=True)
         _REDUCING.append(_Reduce(work, out, bucket.members, packed))
@@ -600,7 +637,7 @@ def _complete(r: _Reduce) -> None:
     streams.wait_for(r.done)
     r.members[0][0].state.wait(r.work)
     # The members sit back to back from column 0, and the output holds exactly them.
-    grads = r.out.split([h.shard_numel for h, _ in r.members])
+    grads = r.out.split_with_sizes([h.shard_numel for h, _ in r.members])
     for (h, _), g in zip(r.members, grads, strict=True):
         if h.shard.grad is None:
             # The reduce-scatter's output is the gradient: the shards' .grad are views into it

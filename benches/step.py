@@ -32,6 +32,9 @@ Systems:
   fsdp2_compile    the same with each block torch.compile'd (fullgraph), as torchtitan does
   single           one GPU (rank 0 only), unsharded bf16 parameters, whole model compiled: the
                    compute-only bound
+  single_amp       as single, but fp32 parameters under torch.autocast to --param-dtype: the same
+                   mixed-precision recipe as the sharded systems (fp32 master weights, optimizer
+                   and gradients), the bound that the sharding alone is measured against
   deepspeed_zero3  DeepSpeed ZeRO-3, eager, bf16 (only when deepspeed imports)
   deepcompile      DeepSpeed ZeRO-3 with DeepCompile: "compile": {"deepcompile": true} and
                    engine.compile() (at least 8 warm-up steps; its passes run at step 5)
@@ -99,7 +102,20 @@ from llama import PRESETS, Llama, LlamaConfig, init_weights
 from memory_peak import peak_breakdown
 from trace_summary import load, summarize
 
-ALL_SYSTEMS = ("zrs", "fsdp2_eager", "fsdp2_compile", "single", "deepspeed_zero3", "deepcompile")
+ALL_SYSTEMS = (
+    "zrs",
+    "fsdp2_eager",
+    "fsdp2_compile",
+    "single",
+    "single_amp",
+    "deepspeed_zero3",
+    "deepcompile",
+)
+# The compiled one-GPU bounds, run on rank 0 alone: "single" trains the model in param_dtype
+# (no fp32 master weights); "single_amp" keeps fp32 parameters and computes under autocast to
+# param_dtype, the mixed-precision recipe of the sharded systems (a cast per use, fp32 gradients
+# and optimizer) without the sharding.
+SINGLE_SYSTEMS = ("single", "single_amp")
 DEEPSPEED_SYSTEMS = ("deepspeed_zero3", "deepcompile")
 _DEEPSPEED_RAN: list[str] = []  # DeepSpeed systems run in this process
 DEEPCOMPILE_MIN_WARMUP = 8  # DeepCompile runs its profile-guided passes at step 5
@@ -559,6 +575,27 @@ def build_single(ctx: Ctx) -> Built:
     return Built(plain_step(model, opt, spec), 1, "none", (model, opt))
 
 
+def build_single_amp(ctx: Ctx) -> Built:
+    spec = ctx.spec
+    model = meta_model(spec)
+    torch.manual_seed(ctx.args.seed)
+    spec.materialize(model, ctx.device)
+    model.float()
+    model.compile(backend=ctx.args.compile_backend)
+    opt = adamw(model.parameters(), ctx)
+    loss_of = spec.loss
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(ctx.device.type, dtype=ctx.param_dtype):
+            loss = loss_of(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return Built(step, 1, "float32", (model, opt))
+
+
 def build_deepspeed(ctx: Ctx, deepcompile: bool) -> Built:
     import deepspeed
 
@@ -619,6 +656,7 @@ BUILDERS: dict[str, Callable[[Ctx], Built]] = {
     "fsdp2_eager": lambda ctx: build_fsdp2(ctx, compiled=False),
     "fsdp2_compile": lambda ctx: build_fsdp2(ctx, compiled=True),
     "single": build_single,
+    "single_amp": build_single_amp,
     "deepspeed_zero3": lambda ctx: build_deepspeed(ctx, deepcompile=False),
     "deepcompile": lambda ctx: build_deepspeed(ctx, deepcompile=True),
 }
@@ -763,7 +801,7 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
         # The collectives' latency and bandwidth the planner fitted (None: not measured), to
         # replay its plans in the simulator later (benches/scale_sim.py) without a device.
         record["zrs_cost_model"] = state.cost_model
-    elif system in ("single", "fsdp2_compile"):
+    elif system in (*SINGLE_SYSTEMS, "fsdp2_compile"):
         record["compile_backend"] = args.compile_backend
     record.update(built.versions or {})
     if args.trace is not None:
@@ -959,7 +997,7 @@ def cleanup(device: torch.device) -> None:
 
 def run_one(system: str, ctx: Ctx) -> dict | None:
     """Run one system in its own process-group lifetime; its record, or an error record."""
-    single = system == "single"
+    single = system in SINGLE_SYSTEMS
     if single and ctx.rank != 0:
         return None  # the single-GPU bound runs on rank 0 alone
     distributed = not single  # every sharded system gets a process group, world 1 included

@@ -12,7 +12,7 @@
 #            when deepspeed imports
 #
 # Every sharded system runs twice: over NVLink (tag "") and with NCCL_P2P_DISABLE=1 (tag
-# "nop2p", bandwidth-limited). "single" runs on one GPU, under each tag but the nop2p ones
+# "nop2p", bandwidth-limited). "single" and "single_amp" run on one GPU, under each tag but the nop2p ones
 # (a variant such as "flash" gets its bound). Each run is bounded by BENCH_TIMEOUT seconds
 # (default 420, under the device tool's 600 s a call); a run that dies or times out without
 # writing its line gets an error line here. The first tag's run of each system
@@ -132,9 +132,9 @@ first=1
 for tag in "${TAGS[@]}"; do
     [[ $tag == nvlink ]] && tag=""
     for s in "${SYSTEMS[@]}"; do
-        if [[ $s == single ]]; then
-            # compute-only bound: no links involved, so not under the nop2p tags
-            [[ $tag != nop2p* ]] && run single "$tag" 1 1
+        if [[ $s == single* ]]; then
+            # compute-only bounds: no links involved, so not under the nop2p tags
+            [[ $tag != nop2p* ]] && run "$s" "$tag" 1 1
             continue
         fi
         run "$s" "$tag" "$NPROC" "$first"

@@ -38,6 +38,7 @@ from zrs.passes.schedule import ScheduleContext, device_budget, graph_label, sch
 from zrs.passes.zero3 import lower_zero3
 from zrs.profile import measure_collectives, symints
 from zrs.runtime import ZeroState, handle
+from zrs.torch_fixes import region_schemas_built_once
 
 BACKENDS = ("inductor", "eager")
 _log = logging.getLogger("zrs")
@@ -206,8 +207,11 @@ def make_backend(state: ZeroState, backend: str):
         # 19.00 GiB against 16.27; benches/first_step_rss.py on the CPU). Its automatic CUDA
         # budget also no longer counts the saved activations twice (once as the planner's base
         # bytes, once as memory already taken).
-        with torch._functorch.config.patch(
-            enable_autograd_cache=False, force_non_lazy_backward_lowering=True
+        with (
+            torch._functorch.config.patch(
+                enable_autograd_cache=False, force_non_lazy_backward_lowering=True
+            ),
+            region_schemas_built_once(),
         ):
             if backend == "inductor":
                 return _inductor(gm, example_inputs, graph_id, check, lower, context, keeps)

@@ -285,7 +285,9 @@ def _set_buffer(h: ParamHandle, buf: torch.Tensor) -> None:
 
 def _shaped(h: ParamHandle) -> torch.Tensor:
     # A fresh view of a view made when the buffer was allocated: `view` needs no storage, so it
-    # also works while a fused gather holds the buffer's storage back (narrow would not).
+    # also works while a fused gather holds the buffer's storage back (narrow would not). Fresh:
+    # an op called outside a compiled graph has its outputs marked by autograd's fallback, and
+    # the stored view must not carry that into the next gather's output.
     return _SHAPED[h.ds_id].view(h.shape)
 
 
@@ -358,15 +360,16 @@ def _issue_one(h: ParamHandle, shard: torch.Tensor, dtype: torch.dtype) -> None:
                 f"was gathered again in {dtype} before its release; this is a zero3 pass bug"
             )
         return
-    buf = torch.empty(h.padded_numel, dtype=dtype, device=shard.device)
-    _set_buffer(h, buf)
-    if state.world_size == 1:
-        buf.copy_(shard.reshape(-1))  # below autograd (an op's kernel): a plain cast-copy
-        return
+    _set_buffer(h, torch.empty(h.padded_numel, dtype=dtype, device=shard.device))
     todo = [(h, shard, dtype)]
-    side = streams.side_stream(shard.device, "gather") if state.comm_streams else None
+    one_rank = state.world_size == 1
+    side = (
+        None if one_rank or not state.comm_streams else streams.side_stream(shard.device, "gather")
+    )
     if side is None:
         flight = _start_gather(todo, state, dtype, shard.device, None, async_op=True)
+        if flight is None:
+            return  # one rank: the shard is cast into its buffer, nothing is in flight
     else:
         with streams.running_on(side) as done:
             flight = _start_gather(todo, state, dtype, shard.device, None, async_op=False)

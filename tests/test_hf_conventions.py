@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import fx
 
 import zrs
 from hf_zoo import HF_ZOO
-from zrs import runtime
+from zrs import compiler, runtime
 
 
 @pytest.mark.parametrize("name", ["hf_gpt2", "hf_qwen2", "hf_t5"])
@@ -71,3 +72,43 @@ def test_the_loss_is_compiled_with_the_model_without_a_graph_break():
         runtime.reset()
     assert model.loss_function is expected
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def _attention_masks(monkeypatch) -> list[bool]:
+    """Whether each SDPA call dynamo captured got a mask (blocks' bodies included)."""
+    masked: list[bool] = []
+    lift = compiler.lift_region_gathers
+
+    def spy(gm):
+        for module in gm.modules():
+            for n in getattr(module, "graph", fx.Graph()).nodes:
+                if n.target is torch._C._nn.scaled_dot_product_attention:
+                    mask = n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None)
+                    masked.append(mask is not None or not n.kwargs.get("is_causal", False))
+        return lift(gm)
+
+    monkeypatch.setattr(compiler, "lift_region_gathers", spy)
+    return masked
+
+
+@pytest.mark.parametrize("name", ["hf_llama", "hf_gpt2"])
+def test_a_causal_lm_without_masks_attends_causally_without_a_mask(name, monkeypatch):
+    """Compiled whole, transformers built a causal mask for every call (it cannot tell that the
+    positions are not packed, and torch 2.11's dynamo says it exports), and SDPA could not take its
+    fastest kernels. zrs tells it; with an attention mask, transformers decides as before."""
+    spec = HF_ZOO[name]
+    reference = spec.build()
+    model = zrs.compile(spec.build(), backend="eager", dynamic=True)
+    masked = _attention_masks(monkeypatch)
+    (x,) = spec.batch(0, 0)
+    try:
+        loss = model(input_ids=x, labels=x).loss
+        assert masked and not any(masked), masked
+        masked.clear()
+        padded = model(input_ids=x, labels=x, attention_mask=torch.ones_like(x)).loss
+        assert masked and all(masked), masked
+    finally:
+        runtime.reset()
+    expected = reference(input_ids=x, labels=x).loss
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(padded, expected)

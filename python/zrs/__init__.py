@@ -215,7 +215,8 @@ def _compile_in_place(model: nn.Module, backend: Any, entry: int, dynamic: bool 
     def forward(*args: Any, **kwargs: Any) -> Any:
         nonlocal compiled
         try:
-            return compiled(*args, **kwargs)
+            with hf.call_scope(model, args, kwargs):
+                return compiled(*args, **kwargs)
         except Exception as e:
             ours = _zrs_error(e)
             if ours is not None and ours is not e:
@@ -229,7 +230,8 @@ def _compile_in_place(model: nn.Module, backend: Any, entry: int, dynamic: bool 
                 str(e).splitlines()[0] if str(e) else "",
             )
             compiled = _compiled_forward(model, backend, f"zrs_forward_{entry}_flat", dynamic)
-            return compiled(*args, **kwargs)
+            with hf.call_scope(model, args, kwargs):
+                return compiled(*args, **kwargs)
 
     model._compiled_call_impl = forward
 

@@ -9,17 +9,18 @@ and `save_pretrained()` writes them. On the sharded instance:
   collective, on every rank), else ZrsError. `from_pretrained` is a class method that builds a new,
   unsharded model: load before zrs.compile, as with any model.
 
-Attention without a materialised mask. Eager transformers calls SDPA with `is_causal=True` and no
-mask when nothing is padded and the positions are not packed, which lets SDPA take its fastest
-kernels. Traced whole, it cannot tell: torch 2.11's dynamo answers `torch.compiler.is_exporting()`
-with True while compiling, and whether the positions are packed is a question about their values.
-So every compiled HF model built a causal mask and attended through it: on one H200 Llama 1b
-spent 40 ms per step in attention against FSDP2's 15 (its blocks are compiled, the mask code
-runs eagerly), and variable lengths compiled a second graph for the mask's alignment. zrs
-answers both from what it knows outside the graph: it never exports, and a call without an
-attention mask, positions or cache has the model's own positions, an arange, which are not
-packed (`call_scope`, around each compiled call). Both answers reach the graph as guarded
-globals; anything else keeps transformers' own behaviour.
+Attention without a materialised mask. Eager transformers calls SDPA with `is_causal=True` (or,
+bidirectional, no mask at all) when nothing is padded and the positions are not packed, which
+lets SDPA take its fastest kernels. Traced whole, it cannot tell, since both are questions about
+tensor values, and it never skips while tracing (transformers 5.17: never under dynamo; 5.23:
+only where torch says it does not export, which torch 2.11's dynamo never says). So every
+compiled HF model built its mask and attended through it: on one H200 Llama 1b spent 40 ms per
+step in attention against FSDP2's 15 (its blocks are compiled, the mask code runs eagerly), and
+variable lengths compiled a second graph for the mask's alignment. zrs knows the answer outside
+the graph: a call without an attention mask, positions or cache uses the model's own positions,
+an arange, so nothing is padded or packed (`call_scope`, around each compiled call). For such
+calls the mask helpers skip as eager transformers would; the answer reaches the graph as a
+guarded global, and every other call keeps transformers' own decision.
 
 The loss function is resolved once, before the model is compiled. Transformers' `loss_function`
 property logs a warning (once per process) when the config names no loss type, and dynamo breaks
@@ -93,24 +94,41 @@ class _Positions:
     default = False
 
 
-def _exporting() -> bool:
-    # The flag torch.export sets; dynamo (torch 2.11) folds is_exporting() itself to True.
-    return torch.compiler._is_exporting_flag
+def _local_fits(kv_length: Any, local_attention_size: int | None) -> bool:
+    return local_attention_size is None or kv_length < local_attention_size
 
 
 def _patch_masking(masking: Any) -> None:
-    """Once per process: transformers' mask helpers get the two answers above."""
+    """Once per process: transformers' mask helpers answer as eagerly for zrs's mask-free calls."""
     if getattr(masking, "_zrs_patched", False):
         return
     find_packed = masking.find_packed_sequence_indices
+    ignore_causal = masking._ignore_causal_mask_sdpa
+    ignore_bidirectional = masking._ignore_bidirectional_mask_sdpa
 
     def find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:
         if _Positions.default:
             return None  # an arange: one sequence per row
         return find_packed(position_ids)
 
+    def _ignore_causal_mask_sdpa(
+        padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None
+    ):
+        if _Positions.default and padding_mask is None:
+            fits = _local_fits(kv_length, local_attention_size)
+            return fits and (q_length == 1 or kv_length == q_length)
+        return ignore_causal(
+            padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size
+        )
+
+    def _ignore_bidirectional_mask_sdpa(padding_mask, kv_length, local_attention_size=None):
+        if _Positions.default and padding_mask is None:
+            return _local_fits(kv_length, local_attention_size)
+        return ignore_bidirectional(padding_mask, kv_length, local_attention_size)
+
     masking.find_packed_sequence_indices = find_packed_sequence_indices
-    masking.is_torchdynamo_exporting = _exporting
+    masking._ignore_causal_mask_sdpa = _ignore_causal_mask_sdpa
+    masking._ignore_bidirectional_mask_sdpa = _ignore_bidirectional_mask_sdpa
     masking._zrs_patched = True
 
 

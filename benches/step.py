@@ -843,6 +843,15 @@ def varlen_metrics(data: Data, world: int, warmup: int, step_s: list[float]) -> 
 
 
 TRACE_STEPS = 3
+
+
+def artifact_path(args: argparse.Namespace, directory: Path, system: str, suffix: str) -> Path:
+    """This rank's file in `directory` (created) for one run: preset, system, tag and rank."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return directory / f"{args.preset}_{system}_{args.tag or 'nvlink'}_rank{rank}.{suffix}"
+
+
 TRACE_TOP = 20
 
 
@@ -860,10 +869,7 @@ def profile_steps(system: str, ctx: Ctx, built: Built, data: Data, start: int) -
         for i in range(TRACE_STEPS):
             built.step(*data(start + i))
         sync(device)
-    args.trace.mkdir(parents=True, exist_ok=True)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    tag = args.tag or "nvlink"
-    path = args.trace / f"{args.preset}_{system}_{tag}_rank{rank}.json.gz"
+    path = artifact_path(args, args.trace, system, "json.gz")
     prof.export_chrome_trace(str(path))  # gzipped: a 1b trace is ~20 MB of JSON
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     events = prof.key_averages()
@@ -907,10 +913,7 @@ def host_profile(system: str, ctx: Ctx, built: Built, data: Data, start: int) ->
         sync(ctx.device)
     prof.disable()
     wall = time.perf_counter() - t0
-    args = ctx.args
-    args.host_profile.mkdir(parents=True, exist_ok=True)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    path = args.host_profile / f"{args.preset}_{system}_{args.tag or 'nvlink'}_rank{rank}.prof"
+    path = artifact_path(ctx.args, ctx.args.host_profile, system, "prof")
     prof.dump_stats(path)
     stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, ncalls, tottime, cumtime, _)
 
@@ -941,9 +944,7 @@ def memory_step(system: str, ctx: Ctx, built: Built, data: Data, start: int) -> 
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     built.step(*data(start))
     sync(device)
-    args.memory.mkdir(parents=True, exist_ok=True)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    path = args.memory / f"{args.preset}_{system}_{args.tag or 'nvlink'}_rank{rank}.pickle"
+    path = artifact_path(args, args.memory, system, "pickle")
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     with open(path, "wb") as f:

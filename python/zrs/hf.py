@@ -132,6 +132,8 @@ def _patch_masking(masking: Any) -> None:
     masking._zrs_patched = True
 
 
+# Keyword arguments that can pad, pack or offset some attention of the call (an encoder-decoder's
+# `decoder_attention_mask` and `decoder_position_ids` included).
 _MASK_INPUTS = ("attention_mask", "position_ids", "past_key_values", "cache_position")
 
 
@@ -141,7 +143,7 @@ def call_scope(model: nn.Module, args: tuple, kwargs: dict) -> Iterator[None]:
     default = (
         getattr(model, "_zrs_hf_masks", False)
         and len(args) <= 1  # input_ids only, positionally; the rest by keyword
-        and all(kwargs.get(k) is None for k in _MASK_INPUTS)
+        and not any(v is not None and k.endswith(_MASK_INPUTS) for k, v in kwargs.items())
     )
     before, _Positions.default = _Positions.default, default
     try:

@@ -306,11 +306,8 @@ def issue_gather(
             continue  # a forward's kept copy, and its hold, serve this gather
         if h.state.registry.start_gather(h.local_id):
             todo.append((h, s, dt))
-        elif h.ds_id in _BUFFERS and _BUFFERS[h.ds_id].dtype != dt:
-            raise ZrsError(
-                f"parameter ds_id {h.ds_id} is already gathered in {_BUFFERS[h.ds_id].dtype} and "
-                f"was gathered again in {dt} before its release; this is a zero3 pass bug"
-            )
+        else:
+            _check_held_dtype(h, dt)
     if not todo:
         return
     state = todo[0][0].state
@@ -354,29 +351,31 @@ def _issue_one(h: ParamHandle, shard: torch.Tensor, dtype: torch.dtype) -> None:
         return
     state = h.state
     if not state.registry.start_gather(h.local_id):
-        if h.ds_id in _BUFFERS and _BUFFERS[h.ds_id].dtype != dtype:
-            raise ZrsError(
-                f"parameter ds_id {h.ds_id} is already gathered in {_BUFFERS[h.ds_id].dtype} and "
-                f"was gathered again in {dtype} before its release; this is a zero3 pass bug"
-            )
+        _check_held_dtype(h, dtype)
         return
     _set_buffer(h, torch.empty(h.padded_numel, dtype=dtype, device=shard.device))
     todo = [(h, shard, dtype)]
-    one_rank = state.world_size == 1
-    side = (
-        None if one_rank or not state.comm_streams else streams.side_stream(shard.device, "gather")
-    )
+    several = state.world_size > 1 and state.comm_streams
+    side = streams.side_stream(shard.device, "gather") if several else None
     if side is None:
+        # None at one rank: the shard is cast into its buffer, nothing is in flight
         flight = _start_gather(todo, state, dtype, shard.device, None, async_op=True)
-        if flight is None:
-            return  # one rank: the shard is cast into its buffer, nothing is in flight
     else:
         with streams.running_on(side) as done:
             flight = _start_gather(todo, state, dtype, shard.device, None, async_op=False)
         assert flight is not None  # several ranks: a collective is in flight
         flight.done = done[0]
-    assert flight is not None
-    _IN_FLIGHT[h.ds_id] = flight
+    if flight is not None:
+        _IN_FLIGHT[h.ds_id] = flight
+
+
+def _check_held_dtype(h: ParamHandle, dtype: torch.dtype) -> None:
+    """A gather of a parameter that is already gathered must want the same dtype."""
+    if h.ds_id in _BUFFERS and _BUFFERS[h.ds_id].dtype != dtype:
+        raise ZrsError(
+            f"parameter ds_id {h.ds_id} is already gathered in {_BUFFERS[h.ds_id].dtype} and "
+            f"was gathered again in {dtype} before its release; this is a zero3 pass bug"
+        )
 
 
 def _group_buffer(hs: list[ParamHandle], dtype: torch.dtype, device: torch.device) -> _Flat:

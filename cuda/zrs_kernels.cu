@@ -6,9 +6,9 @@
 //                          Tensor(a!)[] outs) -> ()
 //       copy-out: recv is `world` rank blocks; member i sits at offsets[i] (numels[i] elements) in
 //       each block; outs[i][r * numels[i] + j] = recv[r * block + offsets[i] + j].
-//   zrs::pack_grads(Tensor[] grads, int world, float scale, Tensor(a!) out) -> ()
-//       grad pack: out is (world, block); grad i (numel n_i, shard_i = ceil(n_i / world)) goes,
-//       times `scale` and cast, into out[:, off_i : off_i + shard_i] rank-major, zero padded.
+//   zrs::pack_grads(Tensor[] grads, int world, int[] shards, float scale, Tensor(a!) out) -> ()
+//       grad pack: out is (world, block); grad i (numel n_i, shards[i] * world >= n_i) goes,
+//       times `scale` and cast, into out[:, off_i : off_i + shards[i]] rank-major, zero padded.
 //
 // The schemas live in python/zrs/ops.py. All three ops reduce to one job: a list of segments,
 // each "read n_src elements of some dtype at src, write n_dst >= n_src elements at dst (zeros
@@ -451,8 +451,11 @@ void unpack_rank_major(const at::Tensor& recv, int64_t world, at::IntArrayRef of
 
 // --- pack_grads --------------------------------------------------------------------------------
 
-void pack_grads(at::TensorList grads, int64_t world, double scale, const at::Tensor& out) {
+void pack_grads(at::TensorList grads, int64_t world, at::IntArrayRef shards, double scale,
+                const at::Tensor& out) {
   TORCH_CHECK(world >= 1, "zrs::pack_grads: world must be >= 1, got ", world);
+  TORCH_CHECK(shards.size() == grads.size(), "zrs::pack_grads: ", grads.size(),
+              " gradients but ", shards.size(), " shard sizes");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == world,
               "zrs::pack_grads: out must have shape (world, block) = (", world, ", ...), got ",
               out.sizes());
@@ -464,17 +467,21 @@ void pack_grads(at::TensorList grads, int64_t world, double scale, const at::Ten
   c10::cuda::CUDAGuard guard(device);
   int64_t need = 0;
   bool supported = code_of(out.scalar_type()) >= 0;
-  for (const auto& g : grads) {
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const at::Tensor& g = grads[i];
     check_device(g, device, "a gradient");
-    need += (g.numel() + world - 1) / world;
+    TORCH_CHECK(shards[i] >= 0 && shards[i] * world >= g.numel(), "zrs::pack_grads: gradient ", i,
+                " has ", g.numel(), " elements, more than ", world, " shards of ", shards[i]);
+    need += shards[i];
     supported = supported && code_of(g.scalar_type()) >= 0;
   }
   TORCH_CHECK(need <= block, "zrs::pack_grads: the gradients need ", need,
               " elements per rank but out's rows hold ", block);
   if (!supported) {
     int64_t off = 0;
-    for (const auto& g : grads) {
-      const int64_t n = g.numel(), shard = (n + world - 1) / world;
+    for (size_t i = 0; i < grads.size(); ++i) {
+      const at::Tensor& g = grads[i];
+      const int64_t n = g.numel(), shard = shards[i];
       const bool wide = g.scalar_type() == at::kDouble || out.scalar_type() == at::kDouble;
       at::Tensor flat = at::zeros({world * shard}, g.options().dtype(wide ? at::kDouble : at::kFloat));
       flat.narrow(0, 0, n).copy_(g.reshape({-1}));
@@ -489,10 +496,10 @@ void pack_grads(at::TensorList grads, int64_t world, double scale, const at::Ten
   keep.reserve(grads.size());
   Plan plan;
   int64_t off = 0;
-  for (const auto& g : grads) {
-    keep.push_back(g.contiguous());
+  for (size_t i = 0; i < grads.size(); ++i) {
+    keep.push_back(grads[i].contiguous());
     const at::Tensor& c = keep.back();
-    const int64_t n = c.numel(), shard = (n + world - 1) / world;
+    const int64_t n = c.numel(), shard = shards[i];
     const int64_t ges = c.element_size();
     const int32_t gcode = code_of(c.scalar_type());
     for (int64_t r = 0; r < world; ++r) {

@@ -131,21 +131,32 @@ def test_full_state_dict_contract(backend: str, world: int, model: str) -> None:
 
 @pytest.mark.parametrize(("backend", "world", "model"), PARAMS)
 def test_parameters_are_sharded(backend: str, world: int, model: str) -> None:
-    """model.parameters() yields fp32 shards: one per distinct parameter (tied ones count once),
-    each ceil(numel / world) elements, keeping requires_grad."""
+    """model.parameters() yields fp32 DTensors over the original shapes, one per distinct
+    parameter (tied ones count once), keeping requires_grad: each rank holds the rows that
+    torch.chunk gives it (Shard(0), FSDP2's convention); a 0-d parameter is replicated."""
     per_rank, ref = _run(backend, world, model)
 
-    def order(t: tuple) -> tuple:
-        return (t[0], str(t[1]), t[2])
+    def local_shape(shape: tuple, rank: int) -> tuple:
+        if not shape:
+            return ()
+        rows = math.ceil(shape[0] / world)
+        return (max(0, min(rows, shape[0] - rank * rows)), *shape[1:])
 
-    expected = sorted(
-        ((math.ceil(n / world), torch.float32, rg) for n, rg in ref.params), key=order
-    )
     for rank, r in enumerate(per_rank):
-        got = sorted(r["local_params"], key=order)
+        expected = sorted(
+            (
+                shape,
+                local_shape(shape, rank),
+                "(Shard(dim=0),)" if shape else "(Replicate(),)",
+                "torch.float32",
+                rg,
+            )
+            for shape, rg in ref.params
+        )
+        got = sorted(r["local_params"])
         assert got == expected, (
-            f"rank {rank}: local parameters (numel, dtype, requires_grad) {got}, "
-            f"expected {expected}"
+            f"rank {rank}: parameters (shape, local shape, placements, dtype, requires_grad) "
+            f"{got}, expected {expected}"
         )
 
 

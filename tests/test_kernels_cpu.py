@@ -62,11 +62,15 @@ def test_unpack_rank_major(world, dtype):
         assert o[world * n] == 5  # past the member's elements: untouched
 
 
+def _row_shards(grads, world):
+    """Each gradient's shard as zrs cuts parameters: whole rows, ceil(rows / world) per rank."""
+    return [-(-g.size(0) // world) * (g.numel() // g.size(0)) if g.dim() else 1 for g in grads]
+
+
 def _pack_grads_reference(grads, world, scale, out_dtype):
     cols = []
-    for g in grads:
+    for g, shard in zip(grads, _row_shards(grads, world), strict=True):
         n = g.numel()
-        shard = -(-n // world)
         flat = torch.zeros(world * shard, dtype=torch.float32)
         flat[:n] = g.reshape(-1).float()
         cols.append((flat * scale).to(out_dtype).view(world, shard))
@@ -82,9 +86,9 @@ def test_pack_grads(world, grad_dtype, out_dtype):
         _randn(int(torch.Size(s).numel()), grad_dtype, i).view(s) for i, s in enumerate(shapes)
     ]
     grads[3] = grads[3].t()  # non-contiguous: a transposed weight gradient
-    block = sum(-(-g.numel() // world) for g in grads)
-    out = torch.full((world, block), 9.0, dtype=out_dtype)
-    torch.ops.zrs.pack_grads(grads, world, 1.0 / world, out)
+    shards = _row_shards(grads, world)
+    out = torch.full((world, sum(shards)), 9.0, dtype=out_dtype)
+    torch.ops.zrs.pack_grads(grads, world, shards, 1.0 / world, out)
     expected = _pack_grads_reference(grads, world, 1.0 / world, out_dtype)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
@@ -94,15 +98,15 @@ def test_pack_grads_into_a_bucket_slice():
     world = 3
     grads = [torch.randn(10), torch.randn(4, 2)]
     bucket = torch.full((world, 20), -1.0)
-    out = bucket[:, 5:12]
-    torch.ops.zrs.pack_grads(grads, world, 0.5, out)
+    out = bucket[:, 5:13]
+    torch.ops.zrs.pack_grads(grads, world, _row_shards(grads, world), 0.5, out)
     torch.testing.assert_close(out, _pack_grads_reference(grads, world, 0.5, torch.float32))
-    assert (bucket[:, :5] == -1).all() and (bucket[:, 12:] == -1).all()
+    assert (bucket[:, :5] == -1).all() and (bucket[:, 13:] == -1).all()
 
 
 def test_pack_grads_padding_is_zero_even_for_tiny_grads():
     out = torch.full((3, 1), 4.0)
-    torch.ops.zrs.pack_grads([torch.tensor([2.0])], 3, 1.0, out)
+    torch.ops.zrs.pack_grads([torch.tensor([2.0])], 3, [1], 1.0, out)
     assert out.view(-1).tolist() == [2.0, 0.0, 0.0]
 
 
@@ -114,9 +118,13 @@ def test_errors():
     with pytest.raises(RuntimeError, match="not a multiple of world"):
         torch.ops.zrs.unpack_rank_major(torch.zeros(7), 2, [0], [3], [torch.empty(6)])
     with pytest.raises(RuntimeError, match=r"shape \(world, block\)"):
-        torch.ops.zrs.pack_grads([torch.zeros(4)], 2, 0.5, torch.empty(4))
+        torch.ops.zrs.pack_grads([torch.zeros(4)], 2, [2], 0.5, torch.empty(4))
     with pytest.raises(RuntimeError, match="need 3 elements per rank"):
-        torch.ops.zrs.pack_grads([torch.zeros(4), torch.zeros(1)], 2, 0.5, torch.empty(2, 2))
+        torch.ops.zrs.pack_grads(
+            [torch.zeros(4), torch.zeros(1)], 2, [2, 1], 0.5, torch.empty(2, 2)
+        )
+    with pytest.raises(RuntimeError, match="more than 2 shards of 1"):
+        torch.ops.zrs.pack_grads([torch.zeros(4)], 2, [1], 0.5, torch.empty(2, 2))
 
 
 def test_opcheck():
@@ -128,7 +136,8 @@ def test_opcheck():
     )
     grads = [torch.randn(3, 2), torch.randn(5)]
     torch.library.opcheck(
-        torch.ops.zrs.pack_grads.default, (grads, 2, 0.5, torch.empty(2, 6, dtype=torch.bfloat16))
+        torch.ops.zrs.pack_grads.default,
+        (grads, 2, [4, 3], 0.5, torch.empty(2, 7, dtype=torch.bfloat16)),
     )
 
 

@@ -116,15 +116,15 @@ def test_reduce_grads_packs_like_one_reduce_per_gradient(handles):
     ids = [h.ds_id for h in handles]
     torch.ops.zrs.reduce_grads(grads, 0, ids, [0] * len(ids))
     torch.ops.zrs.end_backward(0)
-    batched = [h.shard.grad.clone() for h in handles]
+    batched = [h.param.grad.clone() for h in handles]
     for h in handles:
-        h.shard.grad = None
+        h.param.grad = None
     for g, i in zip(grads, ids, strict=True):
         torch.ops.zrs.reduce_grad(g, 0, i)
     torch.ops.zrs.end_backward(0)
     for h, b in zip(handles, batched, strict=True):
-        torch.testing.assert_close(h.shard.grad, b, rtol=0, atol=0)
-        torch.testing.assert_close(b, grads[ids.index(h.ds_id)].reshape(-1))
+        torch.testing.assert_close(h.param.grad, b, rtol=0, atol=0)
+        torch.testing.assert_close(b, grads[ids.index(h.ds_id)])
 
 
 def test_reduce_grad_and_end_backward(handles):
@@ -134,8 +134,8 @@ def test_reduce_grad_and_end_backward(handles):
         torch.ops.zrs.reduce_grad.default, (grad, 0, h.ds_id), test_utils=STATEFUL_UTILS
     )
     torch.library.opcheck(torch.ops.zrs.end_backward.default, (0,), test_utils=STATEFUL_UTILS)
-    assert h.shard.grad is not None
-    calls = h.shard.grad / grad.reshape(-1)  # every call accumulated the same gradient
+    assert h.param.grad is not None
+    calls = h.param.grad / grad  # every call accumulated the same gradient
     assert torch.allclose(calls, calls.flatten()[0].expand_as(calls))
 
 

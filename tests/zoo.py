@@ -329,7 +329,7 @@ class Reference:
     losses: list[list[float]]  # losses[step][rank]
     state_dict_keys: list[str]
     # (full numel, requires_grad) of each distinct parameter: what a rank's shards must match.
-    params: list[tuple[int, bool]]
+    params: list[tuple[tuple[int, ...], bool]]  # (shape, requires_grad)
     generated: Tensor | None = None  # spec.generate of the trained model
 
 
@@ -375,7 +375,7 @@ def train_reference(
         final=param_dict(model),
         losses=losses,
         state_dict_keys=list(model.state_dict().keys()),
-        params=[(p.numel(), p.requires_grad) for p in model.parameters()],
+        params=[(tuple(p.shape), p.requires_grad) for p in model.parameters()],
         generated=generated,
     )
 
@@ -425,7 +425,10 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
     if case.scheduler is not None:
         kwargs["scheduler"] = case.scheduler
     compiled = zrs.compile(model, **kwargs)
-    local = [(p.numel(), p.dtype, p.requires_grad) for p in model.parameters()]
+    local = [
+        (tuple(p.shape), tuple(p.to_local().shape), str(p.placements), str(p.dtype), p.requires_grad)
+        for p in model.parameters()
+    ]
     output_dtypes: list[torch.dtype] = []
     if case.param_dtype is not None:
         # Evidence that the forward really ran in param_dtype (the output keeps its dtype).

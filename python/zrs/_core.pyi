@@ -18,8 +18,11 @@ class ParamInfo:
     @property
     def numel(self) -> int: ...
     @property
+    def shard_rows(self) -> int:
+        """Rows of dim 0 each rank holds, ``ceil(shape[0] / world_size)`` (as ``torch.chunk``)."""
+    @property
     def padded_numel(self) -> int:
-        """``numel`` rounded up to a multiple of the world size."""
+        """``shard_rows`` rows for every rank: ``numel`` plus the padding past the last rows."""
     @property
     def shard_numel(self) -> int:
         """Elements each rank holds: ``padded_numel // world_size``."""
@@ -56,6 +59,8 @@ class Registry:
     ) -> int:
         """Register a parameter under the next free ds_id and return it."""
     def info(self, ds_id: int) -> ParamInfo: ...
+    def local_rows(self, ds_id: int, rank: int) -> int:
+        """Rows `rank` really holds: ``shard_rows``, fewer on the last ranks."""
     def start_gather(self, ds_id: int) -> bool:
         """Take a hold; True if an all-gather must be issued, False to reuse a valid copy."""
     def finish_gather(self, ds_id: int) -> None:

@@ -223,9 +223,23 @@ def unpack_rank_major_torch(
 
 
 def pack_grads_torch(
-    grads: Sequence[torch.Tensor], world: int, scale: float, out: torch.Tensor
+    grads: Sequence[torch.Tensor],
+    world: int,
+    shards: Sequence[int],
+    scale: float,
+    out: torch.Tensor,
 ) -> None:
     _check(world >= 1, f"zrs::pack_grads: world must be >= 1, got {world}")
+    _check(
+        len(shards) == len(grads),
+        f"zrs::pack_grads: {len(grads)} gradients but {len(shards)} shard sizes",
+    )
+    for i, (g, shard) in enumerate(zip(grads, shards, strict=True)):
+        _check(
+            0 <= shard and shard * world >= g.numel(),
+            f"zrs::pack_grads: gradient {i} has {g.numel()} elements, more than {world} shards "
+            f"of {shard}",
+        )
     _check(
         out.dim() == 2 and out.size(0) == world,
         f"zrs::pack_grads: out must have shape (world, block) = ({world}, ...), "
@@ -235,7 +249,6 @@ def pack_grads_torch(
         out.size(1) <= 1 or out.stride(1) == 1,
         "zrs::pack_grads: out's rows must be contiguous (stride(1) == 1)",
     )
-    shards = [-(-g.numel() // world) for g in grads]
     _check(
         sum(shards) <= out.size(1),
         f"zrs::pack_grads: the gradients need {sum(shards)} elements per rank but out's rows "
@@ -269,10 +282,10 @@ def _unpack_rank_major(recv, world, offsets, numels, outs):
     unpack_rank_major_torch(recv, world, offsets, numels, outs)
 
 
-def _pack_grads(grads, world, scale, out):
+def _pack_grads(grads, world, shards, scale, out):
     if out.is_cuda and load():
-        return torch.ops.zrs.pack_grads.default(grads, world, scale, out)
-    pack_grads_torch(grads, world, scale, out)
+        return torch.ops.zrs.pack_grads.default(grads, world, shards, scale, out)
+    pack_grads_torch(grads, world, shards, scale, out)
 
 
 def _fake_none(*args, **kwargs):
@@ -351,14 +364,17 @@ def _bench(iters: int = 50) -> None:
     # grad pack: bf16 grads -> fp32 rank-major bucket with pre-divide; and fp32 -> bf16.
     for gdt, odt in ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)):
         grads = [torch.randn(n, device=dev, generator=g).to(gdt) for n in numels]
-        block = sum(-(-n // world) for n in numels)
+        shards = [-(-n // world) for n in numels]
+        block = sum(shards)
         bucket = torch.empty(world, block, dtype=odt, device=dev)
         nb = sum(x.numel() for x in grads) * gdt.itemsize + bucket.numel() * odt.itemsize
         row(
             f"pack_grads {str(gdt)[6:]}->{str(odt)[6:]}, 6 grads, world {world}",
             nb,
-            lambda gr=grads, b=bucket: torch.ops.zrs.pack_grads(gr, world, 1.0 / world, b),
-            lambda gr=grads, b=bucket: pack_grads_torch(gr, world, 1.0 / world, b),
+            lambda gr=grads, s=shards, b=bucket: torch.ops.zrs.pack_grads(
+                gr, world, s, 1.0 / world, b
+            ),
+            lambda gr=grads, s=shards, b=bucket: pack_grads_torch(gr, world, s, 1.0 / world, b),
         )
     # Latency: many small members (> the inline table, so the device table path too).
     small = [torch.randn(1000 + i, device=dev, generator=g) for i in range(120)]

@@ -291,7 +291,9 @@ COPY_SCHEMAS = {
     ),
     # out (world, block): grad i * scale, cast, rank-major at columns off_i : off_i + shard_i,
     # shard_i = ceil(numel_i / world), off_i cumulative, padding zero-filled
-    "pack_grads": "pack_grads(Tensor[] grads, int world, float scale, Tensor(a!) out) -> ()",
+    "pack_grads": (
+        "pack_grads(Tensor[] grads, int world, int[] shards, float scale, Tensor(a!) out) -> ()"
+    ),
 }
 for _schema in COPY_SCHEMAS.values():
     LIB.define(_schema)

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from zrs import streams
@@ -71,11 +74,17 @@ class ZeroState:
     rendezvous: CompileRendezvous | None = None
     # Collectives on side streams (zrs.streams), decided once: the ops ask on every call.
     comm_streams: bool = field(init=False)
+    # The parameters' DTensor mesh over `group` (None without torch.distributed: then each
+    # parameter is the whole tensor).
+    mesh: DeviceMesh | None = field(init=False)
 
     def __post_init__(self) -> None:
         if self.reduce_group is None:
             self.reduce_group = self.group
         self.comm_streams = streams.enabled(self.device)
+        self.mesh = (
+            DeviceMesh.from_group(self.group, self.device.type) if self.group is not None else None
+        )
 
     def wait(self, work: dist.Work | None) -> None:
         """Wait for a collective; when it fails because a peer compiled a graph that this rank
@@ -93,32 +102,48 @@ class ZeroState:
 
 @dataclass(eq=False)
 class ParamHandle:
-    """What the ops need about one sharded parameter, keyed by its global `ds_id`."""
+    """What the ops need about one sharded parameter, keyed by its global `ds_id`.
+
+    Two tensors share the shard's storage: `shard`, the flat, padded leaf that the gathers read
+    (the graphs' input), and `param`, the module's parameter that users and optimizers see: a
+    DTensor `Shard(0)` over the full shape whose local tensor is this rank's real rows (the whole
+    tensor, plain, without torch.distributed). Gradients land in `param.grad`."""
 
     ds_id: int
     local_id: int
     state: ZeroState
-    shard: nn.Parameter
+    shard: torch.Tensor
+    param: nn.Parameter
     shape: tuple[int, ...]
     numel: int
     padded_numel: int
     shard_numel: int
+    local_numel: int  # this rank's real elements: the first of `shard`, the rest is padding
+    local_shape: tuple[int, ...]
+    spec: DTensorSpec | None  # the parameter's (and its gradient's) DTensor spec
 
 
 _HANDLES: dict[int, ParamHandle] = {}
 
 
-def add_handle(state: ZeroState, shard: nn.Parameter, local_id: int) -> ParamHandle:
+def add_handle(
+    state: ZeroState, shard: torch.Tensor, param: nn.Parameter, local_id: int
+) -> ParamHandle:
     info = state.registry.info(local_id)
+    local = param.to_local() if isinstance(param, DTensor) else param
     h = ParamHandle(
         ds_id=len(_HANDLES),
         local_id=local_id,
         state=state,
         shard=shard,
+        param=param,
         shape=tuple(info.shape),
         numel=info.numel,
         padded_numel=info.padded_numel,
         shard_numel=info.shard_numel,
+        local_numel=local.numel(),
+        local_shape=tuple(local.shape),
+        spec=param._spec if isinstance(param, DTensor) else None,
     )
     _HANDLES[h.ds_id] = h
     state.handles.append(h)
@@ -206,10 +231,22 @@ def reduce_scatter_full(h: ParamHandle, grad: torch.Tensor) -> torch.Tensor:
     packed = torch.empty(
         state.world_size, h.shard_numel, dtype=state.reduce_dtype, device=grad.device
     )
-    torch.ops.zrs.pack_grads([grad], state.world_size, 1.0 / state.world_size, packed)
+    torch.ops.zrs.pack_grads(
+        [grad], state.world_size, [h.shard_numel], 1.0 / state.world_size, packed
+    )
+    if not h.shape:
+        _replicate_scalar(packed)
     out = torch.empty(h.shard_numel, dtype=state.reduce_dtype, device=grad.device)
     state.wait(reduce_scatter(out, packed.view(-1), state.group, async_op=True))
     return out.to(h.shard.dtype)
+
+
+def move_eager_grad(h: ParamHandle) -> None:
+    """Autograd accumulated a gradient into the flat shard (a gather run eagerly, outside a
+    compiled graph): it belongs to the parameter."""
+    grad, h.shard.grad = h.shard.grad, None
+    if grad is not None:
+        accumulate_grad(h, grad)
 
 
 # --- gathered parameters (lowered ops) ---------------------------------------------------------
@@ -594,20 +631,37 @@ def reduce_grads(grads: list[torch.Tensor], ds_ids: list[int], bucket_numels: li
             )
             bucket = _BUCKETS[key] = _Bucket(state, buf)
         start, end = bucket.used, i
+        scalars = []  # columns of 0-d parameters
         while end < len(hs) and hs[end].state is state:
             if bucket.used + hs[end].shard_numel > bucket.buf.size(1):
                 break
             bucket.members.append((hs[end], bucket.used))
+            if not hs[end].shape:
+                scalars.append(bucket.used)
             bucket.used += hs[end].shard_numel
             end += 1
         # Pack now (pre-divided, cast, zero padding): once this op returns, the compiled graph may
         # reuse the gradients' memory.
         cols = bucket.buf.narrow(1, start, bucket.used - start)
-        torch.ops.zrs.pack_grads(grads[i:end], state.world_size, 1.0 / state.world_size, cols)
+        torch.ops.zrs.pack_grads(
+            grads[i:end],
+            state.world_size,
+            [h.shard_numel for h in hs[i:end]],
+            1.0 / state.world_size,
+            cols,
+        )
+        for col in scalars:
+            _replicate_scalar(bucket.buf.narrow(1, col, 1))
         _queue_final_callback()
         if bucket.used == bucket.buf.size(1):
             _flush(key)
         i = end
+
+
+def _replicate_scalar(column: torch.Tensor) -> None:
+    """A 0-d parameter is replicated (sharding.py): its packed gradient goes to every rank's
+    block, not to rank 0's alone, so that the reduce-scatter leaves each rank the mean."""
+    column.copy_(column[:1].expand_as(column))
 
 
 def _flush(key: tuple[int, torch.dtype]) -> None:
@@ -641,12 +695,29 @@ def _complete(r: _Reduce) -> None:
     # The members sit back to back from column 0, and the output holds exactly them.
     grads = r.out.split_with_sizes([h.shard_numel for h, _ in r.members])
     for (h, _), g in zip(r.members, grads, strict=True):
-        if h.shard.grad is None:
-            # The reduce-scatter's output is the gradient: the shards' .grad are views into it
-            # (no copy; the output lives as long as any of its gradients).
-            h.shard.grad = g if g.dtype == h.shard.dtype else g.to(h.shard.dtype)
-        else:
-            h.shard.grad.add_(g)  # accumulation across micro-batches (add_ casts)
+        accumulate_grad(h, g)
+
+
+def accumulate_grad(h: ParamHandle, flat: torch.Tensor) -> None:
+    """Add this rank's reduced gradient shard (flat, padded) to the parameter's `.grad`, then run
+    the parameter's post-accumulate-grad hooks: its gradient for this backward is complete."""
+    param = h.param
+    local = flat if h.local_numel == h.shard_numel else flat.narrow(0, 0, h.local_numel)
+    local = local.view(h.local_shape)
+    if param.grad is None:
+        # The reduce-scatter's output is the gradient: the .grad are views into it (no copy; the
+        # output lives as long as any of its gradients).
+        if local.dtype != param.dtype:
+            local = local.to(param.dtype)
+        param.grad = local if h.spec is None else DTensor(local, h.spec, requires_grad=False)
+    else:
+        grad = param.grad
+        # accumulation across micro-batches (add_ casts)
+        (grad._local_tensor if isinstance(grad, DTensor) else grad).add_(local)
+    hooks = param._post_accumulate_grad_hooks
+    if hooks:
+        for hook in tuple(hooks.values()):
+            hook(param)
 
 
 def flush_grads() -> None:

@@ -1,14 +1,19 @@
 """Cut every parameter of a model into world-size shards and make module code gather at use.
 
-Each parameter becomes its local fp32 shard, stored as the real `nn.Parameter` under the same name,
-so `model.parameters()`, optimizers and `state_dict()` keys see shards. The owning module's class is
-swapped for a per-class subclass whose property of that name returns
+Each parameter becomes an fp32 DTensor sharded by rows (`Shard(0)` over its full shape, FSDP2's
+convention), stored as the real `nn.Parameter` under the same name: optimizers, `state_dict()`,
+torch.distributed.checkpoint, `clip_grad_norm_` and GradScaler see what they see under FSDP2.
+Its local tensor is a view of this rank's flat, padded shard, which the gathers read. The owning
+module's class is swapped for a per-class subclass whose property of that name returns
 `torch.ops.zrs.gather(shard, ...)`: dynamo traces the gather like any op (SimpleFSDP's idea).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import math
+import operator
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from zrs import runtime
@@ -35,7 +41,7 @@ def _gathered(name: str) -> property:
         # Traced, the id stays out of the graph (the backend resolves it from the shard), so the
         # layers of a repeated block trace to one shared body (passes/regions.py).
         traced_id = UNRESOLVED if torch.compiler.is_compiling() else ds_id
-        full = torch.ops.zrs.gather(self._parameters[name], traced_id, shape)
+        full = torch.ops.zrs.gather(self._zrs_shards[name], traced_id, shape)
         # A cast right after the gather is fused into it by the zero3 pass (gather in bf16).
         return full if dtype is None else full.to(dtype)
 
@@ -179,9 +185,27 @@ def _shard_one(state: ZeroState, param: nn.Parameter) -> ParamHandle:
     info = state.registry.info(local_id)
     flat = torch.zeros(info.padded_numel, dtype=torch.float32, device=state.device)
     flat[: info.numel].copy_(full.reshape(-1))
-    start = state.rank * info.shard_numel
-    shard = nn.Parameter(flat[start : start + info.shard_numel].clone(), param.requires_grad)
-    return runtime.add_handle(state, shard, local_id)
+    # A 0-d parameter has no rows to cut: every rank holds it (a replicated DTensor), and its
+    # gradient reaches every rank (runtime.replicate_scalar_grads).
+    start = state.rank * info.shard_numel if param.dim() else 0
+    shard = flat[start : start + info.shard_numel].clone().requires_grad_(param.requires_grad)
+    rows = state.registry.local_rows(local_id, state.rank)
+    local_shape = (rows, *param.shape[1:]) if param.dim() else ()
+    local = shard.detach().narrow(0, 0, rows * math.prod(param.shape[1:])).view(local_shape)
+    if state.mesh is not None:
+        strides = itertools.accumulate(reversed(param.shape[1:]), operator.mul, initial=1)
+        local = DTensor.from_local(
+            local,
+            state.mesh,
+            [Shard(0) if param.dim() else Replicate()],
+            run_check=False,
+            shape=param.shape,
+            stride=tuple(reversed(list(strides))) if param.dim() else (),
+        )
+    h = runtime.add_handle(state, shard, nn.Parameter(local, param.requires_grad), local_id)
+    if param.requires_grad:
+        shard.register_post_accumulate_grad_hook(lambda _: runtime.move_eager_grad(h))
+    return h
 
 
 def shard_model(
@@ -204,16 +228,19 @@ def shard_model(
                 if b is not None and b.device != state.device:
                     module._buffers[n] = b.to(state.device)
         specs = {}
+        shards = {}
         for name, (orig, value) in own.items():
             if orig is None:
                 continue
             h = done.get(id(orig))
             if h is None:
                 h = done[id(orig)] = _shard_one(state, value)
-            module._parameters[name] = h.shard
+            module._parameters[name] = h.param
             specs[name] = (h.ds_id, list(h.shape), state.param_dtype)
+            shards[name] = h.shard
         if specs:
             module._zrs_params = specs
+            module._zrs_shards = shards
         if specs or id(module) in blocks:
             _install_properties(module, module.__class__, frozenset(specs), id(module) in blocks)
 

@@ -95,6 +95,11 @@ def test_unpack_rank_major_casts_and_gaps():
         _same(o, r)
 
 
+def _row_shards(grads, world):
+    """Each gradient's shard as zrs cuts parameters: whole rows, ceil(rows / world) per rank."""
+    return [-(-g.size(0) // world) * (g.numel() // g.size(0)) for g in grads]
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 8])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
@@ -102,22 +107,23 @@ def test_pack_grads(world, grad_dtype, out_dtype):
     shapes = [(5, 3), (7,), (1,), (640, 333), (2048,), (3, 4097), (8, 8)]
     grads = [_randn(torch.Size(s).numel(), grad_dtype, i).view(s) for i, s in enumerate(shapes)]
     grads[3] = grads[3].t()  # non-contiguous, like a transposed weight gradient
-    block = sum(-(-g.numel() // world) for g in grads)
-    out = torch.full((world, block), 9.0, dtype=out_dtype, device="cuda")
+    shards = _row_shards(grads, world)
+    out = torch.full((world, sum(shards)), 9.0, dtype=out_dtype, device="cuda")
     ref = out.clone()
-    torch.ops.zrs.pack_grads(grads, world, 1.0 / world, out)
-    kernels.pack_grads_torch(grads, world, 1.0 / world, ref)
+    torch.ops.zrs.pack_grads(grads, world, shards, 1.0 / world, out)
+    kernels.pack_grads_torch(grads, world, shards, 1.0 / world, ref)
     _same(out, ref)
 
 
 def test_pack_grads_into_a_bucket_slice_many_members():
     world = 2
     grads = [_randn(1 + 31 * i, torch.bfloat16, i) for i in range(60)]  # 120 segments
-    cols = sum(-(-g.numel() // world) for g in grads)
+    shards = _row_shards(grads, world)
+    cols = sum(shards)
     bucket = torch.full((world, cols + 11), -1.0, device="cuda")
     ref = bucket.clone()
-    torch.ops.zrs.pack_grads(grads, world, 0.5, bucket[:, 3 : 3 + cols])
-    kernels.pack_grads_torch(grads, world, 0.5, ref[:, 3 : 3 + cols])
+    torch.ops.zrs.pack_grads(grads, world, shards, 0.5, bucket[:, 3 : 3 + cols])
+    kernels.pack_grads_torch(grads, world, shards, 0.5, ref[:, 3 : 3 + cols])
     _same(bucket, ref)
 
 
@@ -127,8 +133,8 @@ def test_large_tensors():
     shard = -(-g.numel() // world)
     out = torch.empty(world, shard, device="cuda")
     ref = torch.empty_like(out)
-    torch.ops.zrs.pack_grads([g], world, 1.0 / world, out)
-    kernels.pack_grads_torch([g], world, 1.0 / world, ref)
+    torch.ops.zrs.pack_grads([g], world, [shard], 1.0 / world, out)
+    kernels.pack_grads_torch([g], world, [shard], 1.0 / world, ref)
     _same(out, ref)
     send = torch.empty(g.numel(), dtype=torch.float16, device="cuda")
     torch.ops.zrs.pack_cast([g], send)
@@ -147,8 +153,9 @@ def test_current_stream_and_no_host_sync():
         with torch.cuda.stream(side):
             torch.ops.zrs.pack_cast(shards, out)  # > 80 segments: the pinned-copy path too
             grads = [s.view(-1) for s in shards[:10]]
-            bucket = torch.empty(2, sum(-(-g.numel() // 2) for g in grads), device="cuda")
-            torch.ops.zrs.pack_grads(grads, 2, 0.5, bucket)
+            shards = _row_shards(grads, 2)
+            bucket = torch.empty(2, sum(shards), device="cuda")
+            torch.ops.zrs.pack_grads(grads, 2, shards, 0.5, bucket)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     side.synchronize()
@@ -163,5 +170,5 @@ def test_opcheck_cuda():
     recv = _randn(10, torch.float32, 2)
     torch.library.opcheck(torch.ops.zrs.unpack_rank_major.default, (recv, 2, [0, 2], [2, 3], outs))
     grads = [_randn(6, torch.float32, 3).view(3, 2), _randn(5, torch.bfloat16, 4)]
-    bucket = torch.empty(2, 6, dtype=torch.bfloat16, device="cuda")
-    torch.library.opcheck(torch.ops.zrs.pack_grads.default, (grads, 2, 0.5, bucket))
+    bucket = torch.empty(2, 7, dtype=torch.bfloat16, device="cuda")
+    torch.library.opcheck(torch.ops.zrs.pack_grads.default, (grads, 2, [4, 3], 0.5, bucket))

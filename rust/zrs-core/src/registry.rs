@@ -40,7 +40,11 @@ pub struct ParamInfo {
     pub ds_id: ParamId,
     pub shape: Vec<usize>,
     pub numel: usize,
-    /// `numel` rounded up to a multiple of the world size, so every rank holds an equal shard.
+    /// Rows (of dim 0) each rank holds: ceil(shape[0] / world), the chunks of `torch.chunk`
+    /// and of a DTensor's `Shard(0)`. A 0-d parameter counts as one row.
+    pub shard_rows: usize,
+    /// `shard_rows` rows of every rank together, so every rank holds an equal (padded) shard;
+    /// the padding is at the end, past the last rank's real rows.
     pub padded_numel: usize,
     pub shard_numel: usize,
     pub dtype: String,
@@ -105,15 +109,19 @@ impl Registry {
             .iter()
             .try_fold(1usize, |acc, &d| acc.checked_mul(d))
             .ok_or_else(too_large)?;
-        let padded_numel = numel
-            .div_ceil(self.world_size)
+        let rows = shape.first().copied().unwrap_or(1);
+        let row_numel = shape.iter().skip(1).product::<usize>();
+        let shard_rows = rows.div_ceil(self.world_size);
+        let shard_numel = shard_rows.checked_mul(row_numel).ok_or_else(too_large)?;
+        let padded_numel = shard_numel
             .checked_mul(self.world_size)
             .ok_or_else(too_large)?;
         let info = ParamInfo {
             ds_id,
             numel,
+            shard_rows,
             padded_numel,
-            shard_numel: padded_numel / self.world_size,
+            shard_numel,
             shape,
             dtype,
             persistent,
@@ -125,6 +133,23 @@ impl Registry {
         };
         self.params.insert(ds_id, info);
         Ok(ds_id)
+    }
+
+    /// Rows of `ds_id` that `rank` really holds: `shard_rows`, fewer on the last ranks when the
+    /// rows do not divide evenly (none past the end). A 0-d parameter is replicated: every rank
+    /// holds its one element.
+    pub fn local_rows(&self, ds_id: ParamId, rank: usize) -> Result<usize> {
+        if rank >= self.world_size {
+            return Err(Error::Invalid(format!(
+                "rank {rank} is outside a world of {}",
+                self.world_size
+            )));
+        }
+        let p = self.info(ds_id)?;
+        let Some(&rows) = p.shape.first() else {
+            return Ok(1);
+        };
+        Ok(rows.saturating_sub(rank * p.shard_rows).min(p.shard_rows))
     }
 
     pub fn info(&self, ds_id: ParamId) -> Result<&ParamInfo> {
@@ -302,6 +327,23 @@ mod tests {
         assert_eq!(r.total_numel(), 11);
         assert_eq!(r.total_shard_numel(), 5);
         assert!(r.contains(1) && !r.contains(3));
+    }
+
+    #[test]
+    fn shards_are_whole_rows_as_torch_chunk_cuts_them() {
+        let mut r = reg(4);
+        let a = add(&mut r, &[7, 3], false);
+        let b = add(&mut r, &[2, 5], false);
+        let scalar = add(&mut r, &[], false);
+        let pa = r.info(a).unwrap();
+        assert_eq!((pa.shard_rows, pa.shard_numel, pa.padded_numel), (2, 6, 24));
+        let rows = |id| (0..4).map(|k| r.local_rows(id, k).unwrap()).collect::<Vec<_>>();
+        assert_eq!(rows(a), vec![2, 2, 2, 1]);
+        // fewer rows than ranks: the last ranks hold none, only padding
+        assert_eq!(rows(b), vec![1, 1, 0, 0]);
+        assert_eq!(r.info(b).unwrap().padded_numel, 20);
+        assert!(r.local_rows(a, 4).is_err());
+        assert_eq!(rows(scalar), vec![1, 1, 1, 1]);
     }
 
     #[test]

@@ -15,6 +15,8 @@ pub struct ParamInfo {
     #[pyo3(get)]
     numel: usize,
     #[pyo3(get)]
+    shard_rows: usize,
+    #[pyo3(get)]
     padded_numel: usize,
     #[pyo3(get)]
     shard_numel: usize,
@@ -38,6 +40,7 @@ impl From<&registry::ParamInfo> for ParamInfo {
             ds_id: p.ds_id,
             shape: p.shape.clone(),
             numel: p.numel,
+            shard_rows: p.shard_rows,
             padded_numel: p.padded_numel,
             shard_numel: p.shard_numel,
             dtype: p.dtype.clone(),
@@ -95,6 +98,10 @@ impl PyRegistry {
 
     fn info(&self, ds_id: ParamId) -> PyResult<ParamInfo> {
         ToPyResult(self.0.info(ds_id).map(ParamInfo::from)).into_py()
+    }
+
+    fn local_rows(&self, ds_id: ParamId, rank: usize) -> PyResult<usize> {
+        ToPyResult(self.0.local_rows(ds_id, rank)).into_py()
     }
 
     fn start_gather(&mut self, ds_id: ParamId) -> PyResult<bool> {

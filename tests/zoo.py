@@ -426,7 +426,13 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
         kwargs["scheduler"] = case.scheduler
     compiled = zrs.compile(model, **kwargs)
     local = [
-        (tuple(p.shape), tuple(p.to_local().shape), str(p.placements), str(p.dtype), p.requires_grad)
+        (
+            tuple(p.shape),
+            tuple(p.to_local().shape),
+            str(p.placements),
+            str(p.dtype),
+            p.requires_grad,
+        )
         for p in model.parameters()
     ]
     output_dtypes: list[torch.dtype] = []

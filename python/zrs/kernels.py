@@ -236,7 +236,7 @@ def pack_grads_torch(
     )
     for i, (g, shard) in enumerate(zip(grads, shards, strict=True)):
         _check(
-            0 <= shard and shard * world >= g.numel(),
+            shard >= 0 and shard * world >= g.numel(),
             f"zrs::pack_grads: gradient {i} has {g.numel()} elements, more than {world} shards "
             f"of {shard}",
         )

@@ -20,16 +20,17 @@ from torch._dynamo.exc import TorchDynamoException
 from torch.fx.experimental import _config as fx_config
 from torch.utils._pytree import tree_map
 
-from zrs import hf, kernels, runtime
+from zrs import checkpoint, hf, kernels, runtime
 from zrs import ops as _ops  # noqa: F401  (registers the torch.ops.zrs namespace)
 from zrs._core import Registry, ZrsError
 from zrs.compiler import BACKENDS, make_backend
 from zrs.exchange import CompileRendezvous
 from zrs.passes.schedule import SCHEDULERS, trace_dir_from_env
 from zrs.runtime import ZeroState
-from zrs.sharding import InitFn, check_devices, drop_regions, full_state_dict, shard_model
+from zrs.sharding import InitFn, check_devices, drop_regions, shard_model
+from zrs.state_dict import full_state_dict
 
-__all__ = ["ZrsError", "compile", "full_state_dict"]
+__all__ = ["ZrsError", "checkpoint", "compile", "full_state_dict"]
 __version__ = "0.1.0"
 
 

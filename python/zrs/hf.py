@@ -1,13 +1,12 @@
 """Hugging Face conventions on a sharded model (`transformers.PreTrainedModel`, found by duck typing:
 zrs does not import transformers).
 
-A sharded parameter is this rank's flat shard, so the model's own `num_parameters()` counts shards
-and `save_pretrained()` writes them. On the sharded instance:
-
-* `num_parameters(only_trainable=False, exclude_embeddings=False)` counts the full parameters;
-* `save_pretrained(dir, ...)` needs the full tensors: `state_dict=zrs.full_state_dict(model)` (a
-  collective, on every rank), else ZrsError. `from_pretrained` is a class method that builds a new,
-  unsharded model: load before zrs.compile, as with any model.
+A sharded parameter is a DTensor over the full shape, so `num_parameters()` counts full
+parameters as it is. `save_pretrained(dir, ...)` on the sharded instance needs the full tensors,
+`state_dict=zrs.full_state_dict(model, rank0_only=True, cpu_offload=True)` (a collective, on every
+rank; then save on rank 0), else ZrsError: it would otherwise gather each tensor on whichever
+ranks call it. `from_pretrained` is a class method that builds a new, unsharded model: load before
+zrs.compile, as with any model.
 
 Attention without a materialised mask. Eager transformers calls SDPA with `is_causal=True` (or,
 bidirectional, no mask at all) when nothing is padded and the positions are not packed, which
@@ -44,39 +43,18 @@ from zrs import runtime
 from zrs._core import ZrsError
 
 
-def _num_parameters(
-    model: nn.Module, only_trainable: bool = False, exclude_embeddings: bool = False
-) -> int:
-    counted: set[int] = set()
-    total = 0
-    for module in model.modules():
-        if exclude_embeddings and isinstance(module, nn.Embedding):
-            counted.update(ds_id for ds_id, _, _ in getattr(module, "_zrs_params", {}).values())
-            continue
-        for ds_id, _, _ in getattr(module, "_zrs_params", {}).values():
-            h = runtime.handle(ds_id)
-            if ds_id in counted or (only_trainable and not h.shard.requires_grad):
-                continue
-            counted.add(ds_id)
-            total += h.numel
-    return total
-
-
 def _save_pretrained(save: Any, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
     if kwargs.get("state_dict") is None:
         raise ZrsError(
-            "save_pretrained() on a zrs model would write each rank's flat parameter shards. "
-            "Gather the full tensors first (a collective: call it on every rank) and save them "
-            "from one rank: state = zrs.full_state_dict(model); then on rank 0 "
-            "model.save_pretrained(directory, state_dict=state)"
+            "save_pretrained() on a zrs model needs the full tensors, gathered on every rank "
+            "together: state = zrs.full_state_dict(model, rank0_only=True, cpu_offload=True) on "
+            "every rank, then on rank 0 model.save_pretrained(directory, state_dict=state)"
         )
     return save(save_directory, *args, **kwargs)
 
 
 def adopt_conventions(model: nn.Module) -> None:
     """Give a sharded Hugging Face model's instance the methods above (no-op for other models)."""
-    if callable(getattr(model, "num_parameters", None)):
-        model.num_parameters = functools.partial(_num_parameters, model)
     save = getattr(model, "save_pretrained", None)
     if callable(save):
         model.save_pretrained = functools.partial(_save_pretrained, save)

@@ -77,6 +77,8 @@ class ZeroState:
     # The parameters' DTensor mesh over `group` (None without torch.distributed: then each
     # parameter is the whole tensor).
     mesh: DeviceMesh | None = field(init=False)
+    # A gloo group over `group`'s ranks for asynchronous checkpoint saves (zrs.checkpoint).
+    checkpoint_group: dist.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
         if self.reduce_group is None:

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from zrs import runtime
+from zrs import runtime, state_dict
 from zrs._core import ZrsError
 from zrs.passes.regions import UNRESOLVED
 from zrs.runtime import ParamHandle, ZeroState
@@ -241,21 +241,6 @@ def shard_model(
         if specs:
             module._zrs_params = specs
             module._zrs_shards = shards
+            state_dict.install_hooks(module)
         if specs or id(module) in blocks:
             _install_properties(module, module.__class__, frozenset(specs), id(module) in blocks)
-
-
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full, unsharded tensors keyed like the original model's `state_dict()`, on every rank.
-
-    Collective: every rank of the model's process group must call it.
-    """
-    sd = model.state_dict()
-    cache: dict[int, torch.Tensor] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        for name, (ds_id, _, _) in getattr(module, "_zrs_params", {}).items():
-            if ds_id not in cache:
-                h = runtime.handle(ds_id)
-                cache[ds_id] = runtime.gather_full(h, h.shard, None).clone()
-            sd[f"{prefix}.{name}" if prefix else name] = cache[ds_id]
-    return sd

@@ -115,7 +115,7 @@ def load(
         dcp.load(staged, checkpoint_id=path, process_group=state.group)
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
         key = _first_unreadable(path, staged, state)
-        where = _files_of(metadata, key) if key is not None else "its data files"
+        where = _files_of(path, metadata, key) if key is not None else "its data files"
         raise ZrsError(
             f"checkpoint {path}: cannot read {key!r} from {where} ({type(exc).__name__}); the "
             "model and optimizer were left as they were"
@@ -213,8 +213,12 @@ def _first_unreadable(path: str, staged: dict[str, Any], state: ZeroState) -> st
     return None
 
 
-def _files_of(metadata: Metadata, key: str) -> str:
+def _files_of(path: str, metadata: Metadata, key: str) -> str:
     files = sorted(
-        {info.relative_path for index, info in metadata.storage_data.items() if index.fqn == key}
+        {
+            os.path.join(path, info.relative_path)
+            for index, info in metadata.storage_data.items()
+            if index.fqn == key
+        }
     )
     return ", ".join(files) or "its data files"

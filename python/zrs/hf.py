@@ -39,7 +39,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from zrs import runtime
 from zrs._core import ZrsError
 
 

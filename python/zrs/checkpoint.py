@@ -17,6 +17,7 @@ DCP keeps no checksums: bytes flipped inside a tensor's data are not detected.
 from __future__ import annotations
 
 import os
+import pickle
 from concurrent.futures import Future
 from typing import Any
 
@@ -37,6 +38,8 @@ from torch.utils._pytree import tree_map_only
 
 from zrs._core import ZrsError
 from zrs.runtime import ZeroState
+
+_EXTRA = "zrs_extra"  # the key of save()'s `extra`
 
 
 def _state(model: nn.Module) -> ZeroState:
@@ -71,7 +74,8 @@ def save(
     state = _state(model)
     content = _state_dict(model, optimizer)
     if extra is not None:
-        content["extra"] = dict(extra)
+        # One pickled value, written once: DCP would split nested dicts and lists into keys.
+        content[_EXTRA] = pickle.dumps(dict(extra))
     if not async_save:
         dcp.save(content, checkpoint_id=checkpoint_id, process_group=state.group)
         return None
@@ -79,10 +83,11 @@ def save(
 
 
 def _cpu_group(state: ZeroState) -> dist.ProcessGroup | None:
-    """A gloo group over the state's ranks for async saves, whose CPU staging and coordination
-    run off the training stream (NCCL groups need it; made once per state)."""
-    if state.group is None or dist.get_backend(state.group) == "gloo":
-        return state.group
+    """A gloo group of its own over the state's ranks for asynchronous saves (made once per
+    state): their writes and their final collective run in a background thread, which must not
+    share a communicator with the training's collectives (gloo pairs them in issue order)."""
+    if state.group is None:
+        return None
     if state.checkpoint_group is None:
         ranks = dist.get_process_group_ranks(state.group)
         state.checkpoint_group = dist.new_group(
@@ -106,8 +111,8 @@ def load(
     path = os.fspath(checkpoint_id)
     target = _state_dict(model, optimizer)
     metadata = _read_metadata(path)
-    if "extra" in {key.split(".", 1)[0] for key in metadata.state_dict_metadata}:
-        target["extra"] = {k.split(".", 1)[1]: None for k in _extra_keys(metadata)}
+    if _EXTRA in metadata.state_dict_metadata:
+        target[_EXTRA] = b""
     _check_against(path, metadata, target)
     _check_files(path, metadata)
     staged = tree_map_only(torch.Tensor, _fresh, target)
@@ -126,15 +131,11 @@ def load(
         set_state_dict(
             model, optimizer, model_state_dict=staged["model"], optim_state_dict=staged["optim"]
         )
-    return dict(staged.get("extra", {}))
+    return pickle.loads(staged[_EXTRA]) if _EXTRA in staged else {}
 
 
 def _fresh(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t) if isinstance(t, DTensor) else t.detach().clone()
-
-
-def _extra_keys(metadata: Metadata) -> list[str]:
-    return [k for k in metadata.state_dict_metadata if k.startswith("extra.")]
 
 
 def _read_metadata(path: str) -> Metadata:

@@ -1,6 +1,8 @@
 """The main job: train a small byte-level GPT on the bundled corpus with zrs ZeRO-3.
 
     python -m zrs.train [--steps N] [--nproc N] [--model-size S] [--out DIR] ...
+    python -m zrs.train --save-every 100            # checkpoints in OUT/checkpoint-STEP
+    python -m zrs.train --resume out/checkpoint-100  # go on from there, at any world size
 
 Run directly, it launches ``--nproc`` workers through torch.distributed's elastic launcher, as
 ``torchrun --standalone`` does (and prints that torchrun line). Run under torchrun (RANK,
@@ -84,7 +86,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="seeds the weights and the batches (default: %(default)s)",
     )
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="write a checkpoint (torch.distributed.checkpoint) to OUT/checkpoint-STEP every N "
+        "steps and after the last (default: never)",
+    )
+    p.add_argument(
+        "--resume",
+        type=Path,
+        metavar="DIR",
+        help="start from this checkpoint: weights, optimizer, schedule and step (any world size)",
+    )
     args = p.parse_args(argv)
+    if args.save_every < 0:
+        p.error("--save-every must be 0 (never) or positive")
     if args.steps < 1:
         p.error("--steps must be at least 1")
     if args.nproc is not None and args.nproc < 1:
@@ -151,8 +169,23 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
     )
 
     losses: list[float] = []
+    start = 0
+    if args.resume is not None:
+        extra = zrs.checkpoint.load(args.resume, model, opt)
+        start, losses = extra["step"], list(extra["losses"])
+        sched.load_state_dict(extra["scheduler"])
+        log(f"zrs.train: resumed from {args.resume} at step {start}")
+    saving = None  # the last asynchronous save, finished before the next one starts
     first_step_s = 0.0
-    bar = tqdm(range(args.steps), desc="train", unit="step", disable=rank != 0, file=sys.stdout)
+    bar = tqdm(
+        range(start, args.steps),
+        desc="train",
+        unit="step",
+        disable=rank != 0,
+        file=sys.stdout,
+        initial=start,
+        total=args.steps,
+    )
     t0 = time.perf_counter()
     for step in bar:
         x, y = (t.to(device, non_blocking=True) for t in sampler.batch(step))
@@ -164,9 +197,19 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
         mean = loss.detach().clone()
         dist.all_reduce(mean)  # the mean over ranks (gloo has no ReduceOp.AVG)
         losses.append(mean.item() / world)
-        if step == 0:
+        if step == start:
             first_step_s = time.perf_counter() - t0
         bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{sched.get_last_lr()[0]:.1e}")
+        done = step + 1
+        if args.save_every and (done % args.save_every == 0 or done == args.steps):
+            if saving is not None:
+                saving.result()
+            extra = {"step": done, "losses": losses, "scheduler": sched.state_dict()}
+            where = args.out / f"checkpoint-{done}"
+            saving = zrs.checkpoint.save(where, model, opt, extra=extra, async_save=True)
+            log(f"zrs.train: saving {where}")
+    if saving is not None:
+        saving.result()
     wall_s = time.perf_counter() - t0
     bar.close()
 
@@ -180,7 +223,8 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
         "wall_s": round(wall_s, 2),
         "world_size": world,
         "first_step_s": round(first_step_s, 2),
-        "step_s_after_first": round((wall_s - first_step_s) / max(1, args.steps - 1), 4),
+        "step_s_after_first": round((wall_s - first_step_s) / max(1, args.steps - start - 1), 4),
+        "resumed_from": str(args.resume) if args.resume is not None else None,
         **_evaluate(cfg, state, device, seq_len, args.seed),
         "model_size": args.model_size,
         "n_params": n_params,

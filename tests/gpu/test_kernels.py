@@ -153,9 +153,9 @@ def test_current_stream_and_no_host_sync():
         with torch.cuda.stream(side):
             torch.ops.zrs.pack_cast(shards, out)  # > 80 segments: the pinned-copy path too
             grads = [s.view(-1) for s in shards[:10]]
-            shards = _row_shards(grads, 2)
-            bucket = torch.empty(2, sum(shards), device="cuda")
-            torch.ops.zrs.pack_grads(grads, 2, shards, 0.5, bucket)
+            sizes = _row_shards(grads, 2)
+            bucket = torch.empty(2, sum(sizes), device="cuda")
+            torch.ops.zrs.pack_grads(grads, 2, sizes, 0.5, bucket)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     side.synchronize()

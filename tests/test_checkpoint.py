@@ -26,13 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
-from torch.utils._pytree import tree_map_only
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from _dist import cached_run
 from zoo import LR, MOMENTUM, spec_of
@@ -81,20 +76,30 @@ def _train(spec: Any, model: Any, opt: torch.optim.Optimizer, rank: int, steps: 
 
 
 def _full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """The model's and the optimizer's state as full tensors (rank 0; empty elsewhere)."""
-    import zrs
+    """The model's and the optimizer's state as full CPU tensors, keyed by parameter name.
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    # Copies: a replicated or CPU tensor comes back as the optimizer's own, which later steps
-    # change.
-    return tree_map_only(
-        torch.Tensor,
-        torch.clone,
-        {
-            "model": zrs.full_state_dict(model, rank0_only=True, cpu_offload=True),
-            "optim": get_optimizer_state_dict(model, opt, options=options).get("state", {}),
-        },
-    )
+    Gathered through zrs's own collectives: DTensor's redistribution runs gloo collectives
+    whose buffers a worker thread may free (one rank of the full suite died in free() inside
+    `get_optimizer_state_dict(full_state_dict=True)`; zrs.exchange says why zrs keeps its own
+    alive)."""
+    import zrs
+    from zrs import runtime
+
+    handles = {id(h.param): h for h in model._zrs_state.handles}
+
+    def full(h: runtime.ParamHandle, value: torch.Tensor) -> torch.Tensor:
+        if not isinstance(value, DTensor):
+            return value.detach().cpu().clone()
+        flat = torch.zeros(h.shard_numel, dtype=value.dtype, device=value.device)
+        flat[: h.local_numel] = value.to_local().reshape(-1)
+        return runtime.gather_full(h, flat, None).clone()
+
+    optim = {
+        name: {k: full(handles[id(p)], v) for k, v in opt.state[p].items()}
+        for name, p in model.named_parameters()
+        if p in opt.state
+    }
+    return {"model": zrs.full_state_dict(model, cpu_offload=True), "optim": optim}
 
 
 def _save(run: tuple[str, ...], model: Any, opt: torch.optim.Optimizer, where: str) -> None:

@@ -337,7 +337,11 @@ mod tests {
         let scalar = add(&mut r, &[], false);
         let pa = r.info(a).unwrap();
         assert_eq!((pa.shard_rows, pa.shard_numel, pa.padded_numel), (2, 6, 24));
-        let rows = |id| (0..4).map(|k| r.local_rows(id, k).unwrap()).collect::<Vec<_>>();
+        let rows = |id| {
+            (0..4)
+                .map(|k| r.local_rows(id, k).unwrap())
+                .collect::<Vec<_>>()
+        };
         assert_eq!(rows(a), vec![2, 2, 2, 1]);
         // fewer rows than ranks: the last ranks hold none, only padding
         assert_eq!(rows(b), vec![1, 1, 0, 0]);

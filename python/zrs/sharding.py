@@ -186,7 +186,7 @@ def _shard_one(state: ZeroState, param: nn.Parameter) -> ParamHandle:
     flat = torch.zeros(info.padded_numel, dtype=torch.float32, device=state.device)
     flat[: info.numel].copy_(full.reshape(-1))
     # A 0-d parameter has no rows to cut: every rank holds it (a replicated DTensor), and its
-    # gradient reaches every rank (runtime.replicate_scalar_grads).
+    # gradient reaches every rank (runtime._replicate_scalar).
     start = state.rank * info.shard_numel if param.dim() else 0
     shard = flat[start : start + info.shard_numel].clone().requires_grad_(param.requires_grad)
     rows = state.registry.local_rows(local_id, state.rank)

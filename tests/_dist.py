@@ -232,6 +232,90 @@ def format_exc() -> str:
     return traceback.format_exc()
 
 
+def _fault_entry(
+    rank: int, fn: Callable[..., Any], world_size: int, args: tuple, init_method: str, out: str
+) -> None:
+    torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    dist.init_process_group(
+        "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT),
+    )
+    try:
+        result: Any = fn(rank, world_size, *args)
+    except Exception:
+        result = WorkerError(traceback.format_exc())
+    with open(os.path.join(out, f"result{rank}.pkl"), "wb") as fh:
+        pickle.dump(result, fh)
+    # A peer may be stopped or dead: no barrier, no destroy_process_group (both would wait).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_faulty(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0
+) -> list[Any]:
+    """``run_workers`` for ranks that may stop or kill themselves on purpose: each rank's result,
+    None for a rank that left none (it died or was still stopped at the end). A rank that raises
+    gives its traceback as a ``WorkerError`` result; the run fails with ``WorkerTimeout`` only if
+    a rank that has not stopped itself is still running at ``timeout``."""
+    with tempfile.TemporaryDirectory(prefix="zrs-fault-") as tmp:
+        init_method = "file://" + os.path.join(tmp, "store")
+        with _patched_env(_WORKER_ENV):
+            ctx = mp.start_processes(
+                _fault_entry,
+                args=(fn, world_size, args, init_method, tmp),
+                nprocs=world_size,
+                join=False,
+                start_method="spawn",
+            )
+        deadline = time.monotonic() + timeout
+        paths = [os.path.join(tmp, f"result{r}.pkl") for r in range(world_size)]
+        try:
+            while True:
+                running = [
+                    r
+                    for r, p in enumerate(ctx.processes)
+                    if p.is_alive() and not _stopped(p.pid) and not os.path.exists(paths[r])
+                ]
+                if not running:
+                    break
+                if time.monotonic() >= deadline:
+                    _kill_hung(ctx)
+                    raise WorkerTimeout(
+                        f"rank(s) {running} running {_name(fn)} did not finish within "
+                        f"{timeout:.0f}s; their stacks were dumped to stderr above"
+                    )
+                time.sleep(0.2)
+            time.sleep(0.5)  # a rank that just wrote its result is exiting
+        finally:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+        results = []
+        for path in paths:
+            try:
+                with open(path, "rb") as fh:
+                    results.append(pickle.load(fh))
+            except (OSError, EOFError):
+                results.append(None)
+        return results
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
+
+
 _RUN_CACHE: dict[object, object] = {}
 
 

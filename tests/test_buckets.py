@@ -20,22 +20,22 @@ def _train_small_buckets(
     rank: int, world: int, backend: str, planned: bool, separate_comm: bool = True
 ) -> dict:
     import zrs
-    from zrs import compiler, runtime
+    from zrs import compiler, grads
 
-    runtime.GRAD_BUCKET_NUMEL = BUCKET_NUMEL
+    grads.GRAD_BUCKET_NUMEL = BUCKET_NUMEL
     if not planned:  # every gradient reaches the runtime without its bucket's size
         compiler.plan_grad_buckets = lambda graph: []
     in_flight: list[int] = []
     fills: list[tuple[int, int]] = []  # (elements used, capacity) of each reduced bucket
-    flush = runtime._flush
+    flush = grads._flush
 
-    def spy(key):
-        bucket = runtime._BUCKETS[key]
+    def spy(state):
+        bucket = state.step.bucket
         fills.append((bucket.used, bucket.buf.size(1)))
-        flush(key)
-        in_flight.append(len(runtime._REDUCING))
+        flush(state)
+        in_flight.append(len(state.step.reducing))
 
-    runtime._flush = spy
+    grads._flush = spy
     spec = ZOO[MODEL]
     model = zrs.compile(spec.build(), backend=backend, separate_reduce_communicator=separate_comm)
     state = model._zrs_state
@@ -84,9 +84,9 @@ def test_gradients_accumulate_over_micro_batches(monkeypatch) -> None:
     """Two backward passes before the step: each shard's .grad is the sum of both passes'
     gradients (the first pass's reduce-scatter output is the .grad; the second adds into it)."""
     import zrs
-    from zrs import runtime
+    from zrs import grads, runtime
 
-    monkeypatch.setattr(runtime, "GRAD_BUCKET_NUMEL", BUCKET_NUMEL)
+    monkeypatch.setattr(grads, "GRAD_BUCKET_NUMEL", BUCKET_NUMEL)
     spec = ZOO[MODEL]
     torch.manual_seed(0)
     reference = spec.build()
@@ -105,16 +105,18 @@ def _reduce_groups(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     from zrs import runtime
+    from zrs.exchange import group_timeout
 
     sub = dist.new_group([0, 1])  # every rank creates the subgroup
     out: dict = {}
     if rank in (0, 1):  # only its members make its reduce communicator (rank 2 does not call)
-        reduce = runtime.reduce_group_of(sub)
+        reduce = runtime.new_group_like(sub, group_timeout(sub))
         x = torch.full((2,), float(rank + 1))
         y = torch.empty(1)
         dist.reduce_scatter_tensor(y, x, group=reduce)
         out = {
             "separate": reduce is not sub,
+            "timeout": group_timeout(reduce) == group_timeout(sub),
             "ranks": dist.get_process_group_ranks(reduce),
             "sum": y.item(),
         }
@@ -127,5 +129,5 @@ def test_reduce_scatters_get_a_communicator_of_their_own_over_the_same_ranks():
     made by the group's members alone, so a subgroup works without the other ranks."""
     results = run_workers(_reduce_groups, 3)
     for r in results[:2]:
-        assert r == {"separate": True, "ranks": [0, 1], "sum": 3.0}
+        assert r == {"separate": True, "timeout": True, "ranks": [0, 1], "sum": 3.0}
     assert results[2] == {}

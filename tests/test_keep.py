@@ -10,7 +10,7 @@ from torch import nn
 from torch._inductor import config as inductor_config
 
 import zrs
-from zrs import _core, runtime
+from zrs import _core, gather, runtime
 from zrs.passes.keep import keep_allowance
 
 BACKENDS = ["eager", "inductor"]
@@ -35,13 +35,13 @@ class Stack(nn.Module):
 def gathered(monkeypatch):
     """ds_ids that went into a collective, in order (a fused gather counts each member)."""
     ids: list[int] = []
-    start = runtime._start_gather
+    start = gather._start_gather
 
     def spy(todo, *args, **kwargs):
         ids.extend(h.ds_id for h, _, _ in todo)
         return start(todo, *args, **kwargs)
 
-    monkeypatch.setattr(runtime, "_start_gather", spy)
+    monkeypatch.setattr(gather, "_start_gather", spy)
     with inductor_config.patch(fx_graph_cache=False):  # a cache hit would skip the passes
         yield ids
     runtime.reset()
@@ -74,8 +74,8 @@ def test_the_backward_gathers_fewer_parameters_and_computes_the_same(gathered, b
     for a, b in zip(kept.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
     # Nothing outlives the step: every kept copy was taken over or freed at the backward's end.
-    assert not runtime._KEPT and not runtime._BUFFERS
     state = kept._zrs_state
+    assert not state.step.kept and not state.step.buffers
     assert all(state.registry.info(h.local_id).holders == 0 for h in state.handles)
 
 
@@ -89,7 +89,7 @@ def test_a_kept_copy_is_dropped_once_its_shard_changed(gathered, backend):
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(0.5)
-    assert runtime._KEPT, "the forward without a backward left its kept copies"
+    assert kept._zrs_state.step.kept, "the forward without a backward left its kept copies"
     assert _step(kept, gathered)[0] == _step(plain, gathered)[0]
     for a, b in zip(kept.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
@@ -98,9 +98,10 @@ def test_a_kept_copy_is_dropped_once_its_shard_changed(gathered, backend):
 def test_an_optimizer_step_drops_the_kept_copies(gathered):
     model = _model("eager", keep=True)
     model(torch.randn(4, 8)).sum()
-    assert runtime._KEPT
+    state = model._zrs_state
+    assert state.step.kept
     torch.optim.SGD(model.parameters(), lr=0.1).step()  # no grads: the parameters stay as they are
-    assert not runtime._KEPT and not runtime._BUFFERS
+    assert not state.step.kept and not state.step.buffers
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -108,7 +109,8 @@ def test_an_inference_forward_keeps_nothing(gathered, backend):
     model = _model(backend, keep=True)
     with torch.no_grad():
         model(torch.randn(4, 8))
-    assert not runtime._KEPT and not runtime._BUFFERS
+    state = model._zrs_state
+    assert not state.step.kept and not state.step.buffers
 
 
 def test_the_kept_run_is_the_longest_suffix_within_the_allowance():

@@ -8,7 +8,7 @@ from torch import fx, nn
 from torch._inductor import config as inductor_config
 
 import zrs
-from zrs import compiler, runtime
+from zrs import compiler, grads, runtime
 from zrs.passes._nodes import cast_dtype
 
 OPS = torch.ops.zrs
@@ -35,7 +35,7 @@ def _count(graph: fx.Graph, op) -> int:
 def lowered(monkeypatch):
     graphs: dict[str, fx.Graph] = {}
     reduced: list[tuple[int, torch.dtype, int]] = []  # ds_id, gradient dtype, planned bucket
-    lower, reduce_grads = compiler.lower_zero3, runtime.reduce_grads
+    lower, reduce_grads = compiler.lower_zero3, grads.reduce_grads
 
     def spy_lower(graph, graph_id, *, is_backward):
         out = lower(graph, graph_id, is_backward=is_backward)
@@ -44,12 +44,12 @@ def lowered(monkeypatch):
         graphs["bw" if is_backward else "fw"] = copy
         return out
 
-    def spy_reduce(grads, ds_ids, bucket_numels):
-        reduced.extend(zip(ds_ids, [g.dtype for g in grads], bucket_numels, strict=True))
-        reduce_grads(grads, ds_ids, bucket_numels)
+    def spy_reduce(graph_id, gradients, ds_ids, bucket_numels):
+        reduced.extend(zip(ds_ids, [g.dtype for g in gradients], bucket_numels, strict=True))
+        reduce_grads(graph_id, gradients, ds_ids, bucket_numels)
 
     monkeypatch.setattr(compiler, "lower_zero3", spy_lower)
-    monkeypatch.setattr(runtime, "reduce_grads", spy_reduce)
+    monkeypatch.setattr(grads, "reduce_grads", spy_reduce)
     with inductor_config.patch(fx_graph_cache=False):  # a cache hit would skip the pass
         yield graphs, reduced
     runtime.reset()

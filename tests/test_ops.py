@@ -103,7 +103,7 @@ def test_group_ops(handles):
     assert all(state.registry.info(h.local_id).holders == 1 for h in handles)
     torch.ops.zrs.release_params(fulls, 0, ids, [False] * len(ids))
     assert all(state.registry.info(h.local_id).holders == 0 for h in handles)
-    assert not runtime._BUFFERS and not runtime._FLAT_OF
+    assert not state.step.buffers and not state.step.flat_of
     torch.library.opcheck(
         torch.ops.zrs.allgather_params.default,
         (0, shards, ids, dtypes),

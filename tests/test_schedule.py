@@ -20,7 +20,7 @@ from torch._inductor import config as inductor_config
 import zrs
 from _dist import run_workers
 from zoo import LR, MOMENTUM, STEPS, ZOO, compare_params, spec_of, train_reference
-from zrs import compiler, runtime
+from zrs import compiler, gather, runtime
 from zrs import plan as zplan
 from zrs.passes import schedule
 from zrs.passes._nodes import alias_closure, is_op, region_body
@@ -385,26 +385,26 @@ def _force_one_group(monkeypatch) -> None:
 
 def _record_runtime(monkeypatch) -> list[tuple[str, object]]:
     calls: list[tuple[str, object]] = []
-    prefetch, allgather = runtime.prefetch, runtime.allgather_param
-    group = runtime.issue_group
+    prefetch, allgather = gather.prefetch, gather.allgather_param
+    group = gather.issue_group
 
-    def rec_prefetch(shards, ds_ids, dtypes):
+    def rec_prefetch(graph_id, shards, ds_ids, dtypes):
         calls.append(("prefetch", tuple(ds_ids)))
-        return prefetch(shards, ds_ids, dtypes)
+        return prefetch(graph_id, shards, ds_ids, dtypes)
 
-    def rec_group(shards, ds_ids, dtypes):
+    def rec_group(graph_id, shards, ds_ids, dtypes):
         # A coalesced group (passes/coalesce.py): the prefetch, its members claiming it at once.
         calls.append(("prefetch", tuple(ds_ids)))
         calls.extend(("allgather", i) for i in ds_ids)
-        return group(shards, ds_ids, dtypes)
+        return group(graph_id, shards, ds_ids, dtypes)
 
-    def rec_allgather(shard, ds_id, dtype):
+    def rec_allgather(shard, graph_id, ds_id, dtype):
         calls.append(("allgather", ds_id))
-        return allgather(shard, ds_id, dtype)
+        return allgather(shard, graph_id, ds_id, dtype)
 
-    monkeypatch.setattr(runtime, "prefetch", rec_prefetch)
-    monkeypatch.setattr(runtime, "allgather_param", rec_allgather)
-    monkeypatch.setattr(runtime, "issue_group", rec_group)
+    monkeypatch.setattr(gather, "prefetch", rec_prefetch)
+    monkeypatch.setattr(gather, "allgather_param", rec_allgather)
+    monkeypatch.setattr(gather, "issue_group", rec_group)
     return calls
 
 

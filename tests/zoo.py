@@ -476,7 +476,7 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, dict]:
     import torch.distributed as dist
 
     from _dist import COLLECTIVE_TIMEOUT, format_exc, record_warnings
-    from zrs.exchange import all_gather_flags
+    from zrs.exchange import all_gather_ints
 
     out: dict[str, dict] = {}
     for case in cases:
@@ -495,7 +495,9 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, dict]:
         res["warnings"] = caught
         # Agree on the outcome, so that every rank goes on to the next case together (not with
         # all_gather_object, which can deadlock under gloo: see zrs.exchange).
-        res["all_ranks_ok"] = all(all_gather_flags(res["ok"]))
+        res["all_ranks_ok"] = all(
+            row[0] for row in all_gather_ints([int(res["ok"])], dist.group.WORLD)
+        )
         out[case.key] = res
     return out
 

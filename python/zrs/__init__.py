@@ -20,11 +20,11 @@ from torch._dynamo.exc import TorchDynamoException
 from torch.fx.experimental import _config as fx_config
 from torch.utils._pytree import tree_map
 
-from zrs import checkpoint, hf, kernels, runtime
+from zrs import checkpoint, hf, kernels, options, runtime
 from zrs import ops as _ops  # noqa: F401  (registers the torch.ops.zrs namespace)
 from zrs._core import Registry, ZrsError
 from zrs.compiler import BACKENDS, make_backend
-from zrs.exchange import CompileRendezvous
+from zrs.exchange import Peers, group_timeout
 from zrs.passes.schedule import SCHEDULERS, trace_dir_from_env
 from zrs.runtime import ZeroState
 from zrs.sharding import InitFn, check_devices, drop_regions, shard_model
@@ -134,10 +134,12 @@ def compile(
             shapes change from step to step, or differ between the ranks, never make one rank
             compile alone; with one process torch.compile's default (a shape change recompiles
             once, with the changed sizes symbolic).
-        timeout: seconds a rank waits for the others before each graph compile; a rank that
-            compiles alone then raises ZrsError, and so do its peers when their collective
-            fails (gloo; NCCL peers are not yet woken). Default: the timeout of the process
-            group's store (init_process_group's timeout).
+        timeout: seconds any collective or meeting of this model waits for a peer: the
+            all-gathers, the reduce-scatters, the rank checks at each compile and before each
+            forward. A peer that stalls, dies or raises then gives every other rank a ZrsError
+            naming the collective, the graph and the parameter (gloo; on NCCL the process
+            group's watchdog ends the job at the timeout), and the model refuses to run on.
+            Default: the process group's timeout (init_process_group's `timeout`).
         regions: compile each repeated block once and reuse its code for every layer: the
             children of an nn.ModuleList or nn.Sequential that share a class (a transformer's
             layers) become nested compile regions (`torch.compiler.nested_compile_region`),
@@ -160,6 +162,9 @@ def compile(
         raise ZrsError(
             f"memory_budget must be a positive number of bytes or None, not {memory_budget!r}"
         )
+    options.check_dtype("param_dtype", param_dtype)
+    options.check_dtype("reduce_dtype", reduce_dtype)
+    options.check_param_dtypes(model)
     group = _resolve_group(process_group)
     device = _resolve_device(model, group)
     world = dist.get_world_size(group) if group is not None else 1
@@ -168,31 +173,45 @@ def compile(
         # it held 0.23 GiB at the peak of Llama 1b's step (one H200, session 13).
         keep_for_backward = world > 1
     entry = next(_ENTRIES)
-    rendezvous = None
-    if group is not None and world > 1:
-        wait = datetime.timedelta(seconds=timeout) if timeout is not None else None
-        rendezvous = CompileRendezvous(group, f"{group.group_name}/{entry}", wait)
+    settings = {
+        "backend": backend,
+        "param_dtype": param_dtype,
+        "reduce_dtype": reduce_dtype,
+        "memory_budget": memory_budget,
+        "scheduler": scheduler,
+        "profile": profile,
+        "keep_for_backward": keep_for_backward,
+        "separate_reduce_communicator": separate_reduce_communicator,
+        "dynamic": dynamic,
+        "timeout": timeout,
+        "regions": regions,
+    }
+    links = _Links(group, timeout, entry)
+    if links.peers is not None:  # before any collective: a mismatch there hangs or aborts
+        links.peers.agree(f"zrs.compile call {entry}", _describe(model, settings))
+        links.connect(separate_reduce_communicator)
     state = ZeroState(
         group=group,
         world_size=world,
         rank=dist.get_rank(group) if group is not None else 0,
         device=device,
         param_dtype=param_dtype,
-        reduce_dtype=reduce_dtype or torch.float32,
+        reduce_dtype=options.default_reduce_dtype(model, reduce_dtype),
         registry=Registry(world),
-        reduce_group=runtime.reduce_group_of(group) if separate_reduce_communicator else group,
         free_on_release=backend == "eager",
+        timeout=links.timeout,
+        gather_group=links.gather_group,
+        reduce_group=links.reduce_group,
+        control_group=links.control_group,
         scheduler=scheduler,
         memory_budget=memory_budget,
         trace_dir=trace_dir_from_env(trace_dir),
         profile=profile,
         keep_for_backward=keep_for_backward,
-        rendezvous=rendezvous,
+        peers=links.peers,
     )
     if device.type == "cuda":
         kernels.build_in_background()  # nvcc runs while dynamo and inductor trace the model
-    if keep_for_backward:
-        runtime.drop_kept_before_optimizer_steps()
     shard_model(model, state, init_fn, regions)
     model._zrs_state = state
     hf.adopt_conventions(model)
@@ -208,12 +227,62 @@ _log = logging.getLogger("zrs")
 _ENTRIES = itertools.count()  # zrs.compile calls in this process: every rank counts alike
 
 
+class _Links:
+    """The communicators and the store meeting of one zrs.compile call, all with one timeout:
+    `timeout` seconds, else the process group's own."""
+
+    def __init__(self, group: dist.ProcessGroup | None, timeout: float | None, entry: int):
+        self.gather_group = self.reduce_group = group
+        self.control_group: dist.ProcessGroup | None = None
+        self.peers: Peers | None = None
+        if group is None:
+            self.timeout = datetime.timedelta(minutes=30)
+            return
+        own = group_timeout(group)
+        self.timeout = datetime.timedelta(seconds=timeout) if timeout is not None else own
+        if dist.get_world_size(group) > 1:
+            self.peers = Peers(group, f"{group.group_name}/{entry}", self.timeout)
+
+    def connect(self, separate_reduce_communicator: bool) -> None:
+        """Make the communicators: the all-gathers' (the group itself when its timeout is the
+        one asked for), the reduce-scatters' (`separate_reduce_communicator`) and a gloo group
+        for the host-side exchanges."""
+        group = self.gather_group
+        assert group is not None
+        if group_timeout(group) != self.timeout:
+            self.gather_group = runtime.new_group_like(group, self.timeout)
+        self.reduce_group = self.gather_group
+        if separate_reduce_communicator:
+            self.reduce_group = runtime.new_group_like(group, self.timeout)
+        self.control_group = runtime.new_group_like(group, self.timeout, backend="gloo")
+
+
+def _describe(model: nn.Module, settings: dict[str, Any]) -> list[str]:
+    """What every rank must agree on before sharding: each parameter (name, shape, dtype,
+    requires_grad, whether on meta) and the options."""
+    lines = [f"{k}={v}" for k, v in settings.items()]
+    for name, p in model.named_parameters():
+        where = "meta" if p.is_meta else "real"
+        lines.append(f"{name} {list(p.shape)} {p.dtype} grad={p.requires_grad} {where}")
+    return lines
+
+
 def _compile_in_place(model: nn.Module, backend: Any, entry: int, dynamic: bool | None) -> None:
     """Compile `model` in place; if dynamo cannot capture a repeated block as a compile region,
     compile it again with every layer traced on its own (what `regions=False` does)."""
     compiled = _compiled_forward(model, backend, f"zrs_forward_{entry}", dynamic)
 
+    state: ZeroState = model._zrs_state
+
     def forward(*args: Any, **kwargs: Any) -> Any:
+        state.begin_forward(model.training)
+        try:
+            return call(*args, **kwargs)
+        except Exception as e:
+            state.abandon_step(e)
+            raise
+
+    def call(*args: Any, **kwargs: Any) -> Any:
         nonlocal compiled
         try:
             with hf.call_scope(model, args, kwargs):

@@ -71,6 +71,8 @@ class Registry:
         """Mark the gathered copy stale (the shard changed)."""
     def invalidate_all(self) -> None:
         """``invalidate`` every parameter, e.g. after an optimizer step."""
+    def drop_all_gathers(self) -> int:
+        """Forget every hold and gathered copy (after a failed step); how many were held."""
     def set_uses(self, graph_id: int, ds_id: int, n: int) -> None:
         """Record how many nodes of graph ``graph_id`` use the parameter."""
     def uses(self, graph_id: int, ds_id: int) -> int:

@@ -95,9 +95,11 @@ LOWERING = ZeroLowering()
 
 def _check(state: ZeroState, graph_id: int, graph: fx.Graph, is_backward: bool) -> None:
     what = graph_label(graph_id, is_backward)
-    if state.rendezvous is not None:  # every rank compiles this graph now, or all raise
-        state.rendezvous.arrive(what)
-    check_same_graph(graph, state.group, what)
+    state.check_usable()
+    with state.exchanging(f"the rank check of {what}"):
+        if state.peers is not None:  # every rank compiles this graph now, or all raise
+            state.peers.arrive(what)
+        check_same_graph(graph, state.control_group, what)
 
 
 def schedule_context(state: ZeroState) -> ScheduleContext:
@@ -105,7 +107,8 @@ def schedule_context(state: ZeroState) -> ScheduleContext:
     cache lookup: an automatic CUDA budget is a collective (the least free memory over ranks)."""
     budget, source = state.memory_budget, "memory_budget="
     if budget is None and state.scheduler == "search" and state.device.type == "cuda":
-        budget = device_budget(state.group, state.device)
+        with state.exchanging("the exchange of the free device memory"):
+            budget = device_budget(state.control_group, state.device)
         source = (
             "the free device memory (least over the ranks, less a margin), capped at the greedy "
             "schedule's peak plus two of the largest gathers"
@@ -115,7 +118,10 @@ def schedule_context(state: ZeroState) -> ScheduleContext:
     profile = state.profile and state.scheduler != "none"
     if profile and not state.cost_measured and state.group is not None and state.world_size > 1:
         t0 = time.perf_counter()
-        state.cost_model = measure_collectives(state.group, state.device)
+        with state.exchanging("the collective timing sweep"):
+            state.cost_model = measure_collectives(
+                state.gather_group, state.control_group, state.device
+            )
         state.cost_measured = True
         state.compile_s["sweep"] = time.perf_counter() - t0
     return ScheduleContext(
@@ -125,7 +131,7 @@ def schedule_context(state: ZeroState) -> ScheduleContext:
         budget_is_free_memory=state.memory_budget is None and budget is not None,
         world=state.world_size,
         device=str(state.device),
-        group=state.group,
+        group=state.control_group,
         rank=state.rank,
         trace_dir=state.trace_dir,
         cost=state.cost_model,

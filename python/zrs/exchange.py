@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import hashlib
 from typing import Any
 
 import torch
@@ -77,34 +78,92 @@ def all_gather_bytes(payload: bytes, group: dist.ProcessGroup) -> list[bytes]:
         return [bytes(rows[r, :n].tolist()) for r, n in enumerate(lengths)]
 
 
-def all_gather_flags(flag: bool, group: dist.ProcessGroup | None = None) -> list[bool]:
-    """Every rank's `flag`, in rank order (`group` None: the default group)."""
-    group = group or dist.group.WORLD
-    return [b == b"\x01" for b in all_gather_bytes(b"\x01" if flag else b"\x00", group)]
+def all_gather_ints(values: list[int], group: dist.ProcessGroup) -> list[list[int]]:
+    """Every rank's `values` (the same length on every rank), in rank order: one collective."""
+    world = dist.get_world_size(group)
+    device = _device(group)
+    with unset_fake_temporarily(), no_python_dispatcher():
+        mine = torch.tensor(values, dtype=torch.int64, device=device)
+        everyone = torch.empty(world * len(values), dtype=torch.int64, device=device)
+        _all_gather(everyone, mine, group)
+        return everyone.view(world, len(values)).tolist()
 
 
-class CompileRendezvous:
-    """Where the ranks meet before each graph compile, through the process group's store.
+def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta:
+    """How long `group`'s collectives wait for a peer (init_process_group's or new_group's
+    timeout)."""
+    try:
+        return group._get_backend(_device(group)).options._timeout
+    except (AttributeError, RuntimeError):  # a backend without options: its store's timeout
+        return dist.distributed_c10d._get_process_group_store(group).timeout
+
+
+def first_difference(a: list[str], b: list[str]) -> tuple[int, str, str]:
+    """The index of the first line where `a` and `b` differ, and both lines there."""
+    i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return i, a[i] if i < len(a) else "<end>", b[i] if i < len(b) else "<end>"
+
+
+class Peers:
+    """How the ranks of one `zrs.compile` meet outside the collectives: through the process
+    group's store, which cannot pair one rank's call with another's.
 
     A rank whose guards fail (a shape, dtype or branch that only it saw) compiles alone, while
-    its peers run the graphs compiled before. The compile's exchanges (the rank check, the
+    its peers run the graphs compiled before; its compile's exchanges (the rank check, the
     profile) would then meet a peer's parameter all-gather: gloo aborts the process on the
-    mismatch, NCCL hangs. The store cannot be mismatched: each rank marks its arrival at its
-    n-th compile and waits, up to `timeout`, for every peer's mark. A rank that waits in vain
-    records why (`diverged`) and raises; a peer whose collective then fails finds the record
-    (`explain`) and raises the same error.
+    mismatch, NCCL hangs. So each rank marks its arrival at its n-th compile and waits, up to
+    `timeout`, for every peer's mark (`arrive`). `agree` compares a description (the model's
+    parameters and the options) before any collective. A rank that gives up or fails leaves
+    the reason in the store (`note`), where a peer whose collective then fails finds it
+    (`explain`).
     """
 
-    def __init__(self, group: dist.ProcessGroup, uid: str, timeout: datetime.timedelta | None):
+    def __init__(self, group: dist.ProcessGroup, uid: str, timeout: datetime.timedelta):
         self.store = dist.distributed_c10d._get_process_group_store(group)
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.prefix = f"zrs/{uid}"
-        self.timeout = timeout or self.store.timeout
+        self.timeout = timeout
         self.arrived = 0  # compiles this rank has arrived at
+        self.agreements = 0  # `agree` calls so far
 
-    def _key(self, n: int, rank: int) -> str:
-        return f"{self.prefix}/compile{n}/rank{rank}"
+    def _wait(self, keys: list[str], ranks: list[int], what: str) -> None:
+        """Wait for `keys` (set by `ranks`); ZrsError naming the ranks that did not set theirs."""
+        try:
+            self.store.wait(keys, self.timeout)
+        except RuntimeError:  # DistStoreError, or a FileStore's plain "Wait timeout"
+            missing = [r for r, k in zip(ranks, keys, strict=True) if not self.store.check([k])]
+            message = (
+                f"rank(s) {missing} did not reach {what} within "
+                f"{self.timeout.total_seconds():g} s while rank {self.rank} did"
+            )
+            raise ZrsError(message) from None
+
+    def agree(self, what: str, lines: list[str]) -> None:
+        """Raise the same ZrsError on every rank unless every rank passes the same `lines`; it
+        names the first line that differs. Only digests go through the store, unless they
+        differ."""
+        key = f"{self.prefix}/agree{self.agreements}"
+        self.agreements += 1
+        text = "\n".join(lines).encode()
+        ranks = list(range(self.world))
+        self.store.set(f"{key}/digest/rank{self.rank}", hashlib.sha256(text).hexdigest())
+        digest_keys = [f"{key}/digest/rank{r}" for r in ranks]
+        self._wait(digest_keys, ranks, what)
+        digests = self.store.multi_get(digest_keys)
+        other = next((r for r, d in enumerate(digests) if d != digests[0]), None)
+        if other is None:
+            return
+        self.store.set(f"{key}/text/rank{self.rank}", text)
+        text_keys = [f"{key}/text/rank0", f"{key}/text/rank{other}"]
+        self._wait(text_keys, [0, other], f"{what} (the comparison)")
+        a, b = (t.decode().split("\n") for t in self.store.multi_get(text_keys))
+        i, line_a, line_b = first_difference(a, b)
+        raise ZrsError(
+            f"ranks disagree on {what}: line {i} is `{line_a}` on rank 0 but `{line_b}` on rank "
+            f"{other}. Every rank must build the same model and call zrs.compile with the same "
+            "options"
+        )
 
     def arrive(self, what: str) -> None:
         """Wait until every rank has arrived at this compile; ZrsError naming the ranks that did
@@ -115,24 +174,32 @@ class CompileRendezvous:
         self.store.set(self._key(n, self.rank), what)
         keys = [self._key(n, r) for r in range(self.world)]
         try:
-            self.store.wait(keys, self.timeout)
-        except RuntimeError:  # DistStoreError, or a FileStore's plain "Wait timeout"
-            missing = [r for r in range(self.world) if not self.store.check([keys[r]])]
+            self._wait(keys, list(range(self.world)), f"the compile of {what}")
+        except ZrsError as e:
             message = (
-                f"rank(s) {missing} did not compile {what} within "
-                f"{self.timeout.total_seconds():.0f} s while rank {self.rank} did: a rank "
-                "compiled a graph alone (an input shape, dtype or branch that only it saw), "
-                "and its peers ran the graphs compiled before. Every rank must capture the "
-                "same graphs: keep the input sizes symbolic (zrs.compile(dynamic=True), the "
-                "default with several ranks), make control flow independent of the rank, or "
-                "pad the batches to equal shapes"
+                f"{e}: a rank compiled a graph alone (an input shape, dtype or branch that only "
+                "it saw), and its peers ran the graphs compiled before. Every rank must capture "
+                "the same graphs: keep the input sizes symbolic (zrs.compile(dynamic=True), the "
+                "default with several ranks), make control flow independent of the rank, or pad "
+                "the batches to equal shapes"
             )
             self.store.set(f"{self.prefix}/diverged", message)
             raise ZrsError(message) from None
 
+    def _key(self, n: int, rank: int) -> str:
+        return f"{self.prefix}/compile{n}/rank{rank}"
+
+    def note(self, why: str) -> None:
+        """Leave why this rank stopped issuing its collectives where its peers look (`explain`)."""
+        self.store.set(f"{self.prefix}/failed/rank{self.rank}", why)
+
     def explain(self) -> str | None:
-        """Why a collective of this rank failed, if a peer waits at (or gave up on) a compile
-        that this rank never reached; None for any other failure."""
+        """Why a collective of this rank failed, if a peer left a reason: it waits at (or gave
+        up on) a compile that this rank never reached, or it noted an error; None otherwise."""
+        failed = [f"{self.prefix}/failed/rank{r}" for r in range(self.world) if r != self.rank]
+        notes = [self.store.get(k).decode() for k in failed if self.store.check([k])]
+        if notes:
+            return "; ".join(notes)
         diverged = f"{self.prefix}/diverged"
         at = self.store.multi_get([f"{self.prefix}/at/rank{r}" for r in range(self.world)])
         ahead = any(int(n) > self.arrived for n in at if n)

@@ -17,7 +17,7 @@ import torch
 from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
 from torch.fx.node import has_side_effect
 
-from zrs import runtime
+from zrs import gather, grads, runtime
 from zrs._core import ZrsError
 
 LIB = torch.library.Library("zrs", "DEF")  # schemas as strings: they need alias annotations
@@ -120,7 +120,7 @@ def _gather_fake(shard, ds_id, shape, dtype=None):
 
 @_impl("gather_grad")
 def _gather_grad(grad, ds_id):
-    return runtime.reduce_scatter_full(runtime.handle(ds_id), grad)
+    return grads.reduce_scatter_full(runtime.handle(ds_id), grad)
 
 
 @_fake("gather_grad")
@@ -149,7 +149,7 @@ torch.library.register_autograd(
 def _allgather_param(shard, graph_id, ds_id, dtype=None, prefetched=None):
     # `prefetched`: the token of the prefetch that issued this gather; only a data edge that
     # keeps inductor from scheduling the prefetch after its members.
-    return runtime.allgather_param(shard, ds_id, dtype)
+    return gather.allgather_param(shard, graph_id, ds_id, dtype)
 
 
 @_fake("allgather_param")
@@ -160,7 +160,7 @@ def _allgather_param_fake(shard, graph_id, ds_id, dtype=None, prefetched=None):
 
 @_impl("wait_allgather")
 def _wait_allgather(x, graph_id, ds_id):
-    runtime.wait_gather([ds_id])
+    gather.wait_gather([ds_id])
     return x.view_as(x)  # kernels below autograd must return a fresh alias, never the input
 
 
@@ -171,7 +171,7 @@ def _wait_allgather_fake(x, graph_id, ds_id):
 
 @_impl("release_param")
 def _release_param(x, graph_id, ds_id, n_users, after, keep=False):
-    runtime.release([ds_id], [keep])
+    gather.release([ds_id], [keep])
     return x.view_as(x)
 
 
@@ -197,7 +197,7 @@ def _as_dtype(d: torch.dtype | int) -> torch.dtype:
 @_impl("prefetch_params_fused")
 def _prefetch_params_fused(graph_id, shards, ds_ids, dtypes=None):
     dtypes = [_as_dtype(d) for d in dtypes] if dtypes else [s.dtype for s in shards]
-    runtime.prefetch(list(shards), list(ds_ids), list(dtypes))
+    gather.prefetch(graph_id, list(shards), list(ds_ids), list(dtypes))
     return shards[0].new_empty(0)  # the token its members' allgather_param take
 
 
@@ -208,7 +208,7 @@ def _prefetch_params_fused_fake(graph_id, shards, ds_ids, dtypes=None):
 
 @_impl("reduce_grad")
 def _reduce_grad(grad, graph_id, ds_id, bucket_numel=0):
-    runtime.reduce_grads([grad], [ds_id], [bucket_numel])
+    grads.reduce_grads(graph_id, [grad], [ds_id], [bucket_numel])
 
 
 @_fake("reduce_grad")
@@ -218,7 +218,7 @@ def _reduce_grad_fake(grad, graph_id, ds_id, bucket_numel=0):
 
 @_impl("end_backward")
 def _end_backward(graph_id):
-    runtime.end_backward()
+    grads.end_backward(runtime.live_states())
 
 
 @_fake("end_backward")
@@ -228,7 +228,7 @@ def _end_backward_fake(graph_id):
 
 @_impl("allgather_params")
 def _allgather_params(graph_id, shards, ds_ids, dtypes):
-    runtime.issue_group(shards, ds_ids, [_as_dtype(d) for d in dtypes])
+    gather.issue_group(graph_id, shards, ds_ids, [_as_dtype(d) for d in dtypes])
     return shards[0].new_empty(0)
 
 
@@ -239,12 +239,12 @@ def _allgather_params_fake(graph_id, shards, ds_ids, dtypes):
 
 @_impl("wait_allgathers")
 def _wait_allgathers(token, graph_id, ds_ids, dtypes):
-    return runtime.wait_group(ds_ids)
+    return gather.wait_group(ds_ids)
 
 
 @_fake("wait_allgathers")
 def _wait_allgathers_fake(token, graph_id, ds_ids, dtypes):
-    # A group's members are views of one buffer (runtime._Flat); a group has one dtype.
+    # A group's members are views of one buffer (gather.Flat); a group has one dtype.
     hs = [runtime.handle(i) for i in ds_ids]
     flat = token.new_empty(sum(h.numel for h in hs), dtype=_as_dtype(dtypes[0]))
     return [v.view(h.shape) for h, v in zip(hs, flat.split([h.numel for h in hs]), strict=True)]
@@ -252,7 +252,7 @@ def _wait_allgathers_fake(token, graph_id, ds_ids, dtypes):
 
 @_impl("release_params")
 def _release_params(after, graph_id, ds_ids, keep):
-    runtime.release(ds_ids, keep)
+    gather.release(ds_ids, keep)
 
 
 @_fake("release_params")
@@ -261,8 +261,8 @@ def _release_params_fake(after, graph_id, ds_ids, keep):
 
 
 @_impl("reduce_grads")
-def _reduce_grads(grads, graph_id, ds_ids, bucket_numels):
-    runtime.reduce_grads(grads, ds_ids, bucket_numels)
+def _reduce_grads(gradients, graph_id, ds_ids, bucket_numels):
+    grads.reduce_grads(graph_id, gradients, ds_ids, bucket_numels)
 
 
 @_fake("reduce_grads")

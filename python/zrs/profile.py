@@ -261,9 +261,11 @@ def _timed(fn, args: tuple, device: torch.device) -> float:
     return (time.perf_counter() - t0) * 1e6
 
 
-def measure_collectives(group: dist.ProcessGroup, device: torch.device) -> dict[str, Any] | None:
+def measure_collectives(
+    group: dist.ProcessGroup, control: dist.ProcessGroup, device: torch.device
+) -> dict[str, Any] | None:
     """Fit the planner's collective cost model to a short sweep on `group` (every rank calls
-    this at the same point). Returns the cost model as a dict for `zrs.plan`, or None when the
+    this at the same point; the ranks agree on the times over `control`). Returns the cost model as a dict for `zrs.plan`, or None when the
     sweep cannot be fitted (then the planner uses its analytic default)."""
     world = dist.get_world_size(group)
     sizes = SWEEP_BYTES.get(device.type, SWEEP_BYTES["cpu"])
@@ -282,7 +284,7 @@ def measure_collectives(group: dist.ProcessGroup, device: torch.device) -> dict[
                 fn(*args)  # warm-up (connection setup, NCCL channels)
                 times = [_timed(fn, args, device) for _ in range(SWEEP_REPS)]
                 samples[name].append(min(times))
-    flat = agree_max(samples["allgather"] + samples["reduce_scatter"], group)
+    flat = agree_max(samples["allgather"] + samples["reduce_scatter"], control)
     n = len(sizes)
     try:
         model = zplan.fit_cost_model(

@@ -1,11 +1,12 @@
 """Cut every parameter of a model into world-size shards and make module code gather at use.
 
-Each parameter becomes an fp32 DTensor sharded by rows (`Shard(0)` over its full shape, FSDP2's
-convention), stored as the real `nn.Parameter` under the same name: optimizers, `state_dict()`,
-torch.distributed.checkpoint, `clip_grad_norm_` and GradScaler see what they see under FSDP2.
-Its local tensor is a view of this rank's flat, padded shard, which the gathers read. The owning
-module's class is swapped for a per-class subclass whose property of that name returns
-`torch.ops.zrs.gather(shard, ...)`: dynamo traces the gather like any op (SimpleFSDP's idea).
+Each parameter becomes an fp32 DTensor (float64 in a float64 model: zrs.options) sharded by
+rows (`Shard(0)` over its full shape, FSDP2's convention), stored as the real `nn.Parameter` under
+the same name: optimizers, `state_dict()`, torch.distributed.checkpoint, `clip_grad_norm_` and
+GradScaler see what they see under FSDP2. Its local tensor is a view of this rank's flat, padded
+shard, which the gathers read. The owning module's class is swapped for a per-class subclass
+whose property of that name returns `torch.ops.zrs.gather(shard, ...)`: dynamo traces the gather
+like any op (SimpleFSDP's idea).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from zrs import runtime, state_dict
+from zrs import grads, options, runtime, state_dict
 from zrs._core import ZrsError
 from zrs.passes.regions import UNRESOLVED
 from zrs.runtime import ParamHandle, ZeroState
@@ -150,43 +151,53 @@ def check_devices(model: nn.Module) -> torch.device | None:
 
 
 def _materialize(module: nn.Module, device: torch.device, init_fn: InitFn | None) -> None:
-    """Give one module's meta tensors real storage and initialise them (this module only)."""
-    module.to_empty(device=device, recurse=False)
-    if init_fn is not None:
-        init_fn(module)
-    elif hasattr(module, "reset_parameters"):
-        module.reset_parameters()
-    else:
-        raise ZrsError(
-            f"{type(module).__name__} was built on the meta device but has no reset_parameters(); "
-            "pass zrs.compile(model, init_fn=fn) where fn(module) initialises one module's own "
-            "parameters and buffers"
-        )
+    """Give one module's meta tensors real storage and initialise them (this module only).
+
+    Its real tensors (a pretrained weight beside a meta bias) keep their values and identity:
+    to_empty and the initialisation work on meta stand-ins for them, and the originals go back
+    afterwards (their identity ties them to the other modules that share them)."""
+    params = {n: p for n, p in module._parameters.items() if p is not None and not p.is_meta}
+    buffers = {n: b for n, b in module._buffers.items() if b is not None and not b.is_meta}
+    for n, p in params.items():
+        module._parameters[n] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+    for n, b in buffers.items():
+        module._buffers[n] = torch.empty_like(b, device="meta")
+    try:
+        module.to_empty(device=device, recurse=False)
+        if init_fn is not None:
+            init_fn(module)
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+        else:
+            raise ZrsError(
+                f"{type(module).__name__} was built on the meta device but has no "
+                "reset_parameters(); pass zrs.compile(model, init_fn=fn) where fn(module) "
+                "initialises one module's own parameters and buffers"
+            )
+    finally:
+        module._parameters.update(params)
+        module._buffers.update({n: b.to(device) for n, b in buffers.items()})
 
 
 def _source_rank(state: ZeroState) -> int:
     return dist.get_global_rank(state.group, 0) if state.group is not None else 0
 
 
-def _shard_one(state: ZeroState, param: nn.Parameter) -> ParamHandle:
-    if not param.is_floating_point():
-        raise ZrsError(
-            f"a parameter of dtype {param.dtype} cannot be sharded: zrs keeps fp32 master shards; "
-            "register non-float state as a buffer instead"
-        )
+def _shard_one(state: ZeroState, param: nn.Parameter, name: str) -> ParamHandle:
     full = param.detach().to(state.device)
     if state.group is not None:
         # Every rank starts from rank 0's weights, whatever each rank's RNG did.
         full = full.contiguous()
-        dist.broadcast(full, src=_source_rank(state), group=state.group)
+        dist.broadcast(full, src=_source_rank(state), group=state.gather_group)
     local_id = state.registry.register(
         list(param.shape), str(param.dtype).removeprefix("torch."), False, param.requires_grad
     )
     info = state.registry.info(local_id)
-    flat = torch.zeros(info.padded_numel, dtype=torch.float32, device=state.device)
+    dtype = options.shard_dtype(param.dtype)
+    flat = torch.zeros(info.padded_numel, dtype=dtype, device=state.device)
     flat[: info.numel].copy_(full.reshape(-1))
     # A 0-d parameter has no rows to cut: every rank holds it (a replicated DTensor), and its
-    # gradient reaches every rank (runtime._replicate_scalar).
+    # gradient reaches every rank (grads._replicate_scalar).
     start = state.rank * info.shard_numel if param.dim() else 0
     shard = flat[start : start + info.shard_numel].clone().requires_grad_(param.requires_grad)
     rows = state.registry.local_rows(local_id, state.rank)
@@ -202,9 +213,9 @@ def _shard_one(state: ZeroState, param: nn.Parameter) -> ParamHandle:
             shape=param.shape,
             stride=tuple(reversed(list(strides))) if param.dim() else (),
         )
-    h = runtime.add_handle(state, shard, nn.Parameter(local, param.requires_grad), local_id)
+    h = runtime.add_handle(state, shard, nn.Parameter(local, param.requires_grad), local_id, name)
     if param.requires_grad:
-        shard.register_post_accumulate_grad_hook(lambda _: runtime.move_eager_grad(h))
+        shard.register_post_accumulate_grad_hook(lambda _: grads.move_eager_grad(h))
     return h
 
 
@@ -215,7 +226,7 @@ def shard_model(
     the layers of each stack become nested compile regions."""
     done: dict[int, ParamHandle] = {}  # id(original parameter) -> handle: tied weights share one
     blocks = repeated_blocks(model) if regions else set()
-    for module in model.modules():
+    for prefix, module in model.named_modules():
         own = dict(module._parameters)
         if any(t is not None and t.is_meta for t in [*own.values(), *module._buffers.values()]):
             originals = dict(own)
@@ -234,7 +245,9 @@ def shard_model(
                 continue
             h = done.get(id(orig))
             if h is None:
-                h = done[id(orig)] = _shard_one(state, value)
+                h = done[id(orig)] = _shard_one(
+                    state, value, f"{prefix}.{name}" if prefix else name
+                )
             module._parameters[name] = h.param
             specs[name] = (h.ds_id, list(h.shape), state.param_dtype)
             shards[name] = h.shard

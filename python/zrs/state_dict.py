@@ -45,7 +45,7 @@ def _mark_saved(module: nn.Module, state_dict: dict, prefix: str, local_metadata
 
 def _local_rows(h: ParamHandle, full: torch.Tensor) -> torch.Tensor:
     """This rank's part of the full tensor `full`, as the parameter holds it."""
-    full = full.detach().to(h.param.device, torch.float32)
+    full = full.detach().to(h.param.device, h.shard.dtype)
     if h.spec is None or not h.shape:  # the whole tensor; a 0-d one is replicated
         return full if h.spec is None else DTensor(full, h.spec, requires_grad=False)
     first = h.state.rank * h.state.registry.info(h.local_id).shard_rows

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import fx
 
 from zrs._core import ZrsError
-from zrs.exchange import all_gather_bytes
+from zrs.exchange import all_gather_bytes, first_difference
 
 
 def _describe(value) -> str:
@@ -62,25 +62,44 @@ def signature(graph: fx.Graph) -> list[str]:
 
 
 def check_same_graph(graph: fx.Graph, group: dist.ProcessGroup | None, what: str) -> None:
-    if group is None or dist.get_world_size(group) == 1:
+    different = _first_difference(signature(graph), group)
+    if different is None:
         return
-    _compare(signature(graph), group, what)
-
-
-def _compare(lines: list[str], group: dist.ProcessGroup, what: str) -> None:
-    text = "\n".join(lines).encode()
-    digests = all_gather_bytes(hashlib.sha256(text).digest(), group)
-    if len(set(digests)) == 1:
-        return
-    everyone = [t.decode().split("\n") for t in all_gather_bytes(text, group)]
-    other = next(r for r, d in enumerate(digests) if d != digests[0])
-    a, b = everyone[0], everyone[other]
-    i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-    node_a = a[i] if i < len(a) else "<end of graph>"
-    node_b = b[i] if i < len(b) else "<end of graph>"
+    other, i, node_a, node_b = different
     raise ZrsError(
         f"ranks captured different {what}: the first difference is node #{i}, which is "
         f"`{node_a}` on rank 0 but `{node_b}` on rank {other}. Every rank must run the same model "
         "code on inputs of the same shapes and dtypes; make control flow independent of the rank "
         "and pad or bucket the batches to equal shapes"
     )
+
+
+def check_same_plan(lines: list[str], group: dist.ProcessGroup | None, what: str) -> None:
+    """Every rank planned `what` alike (its budget, order and prefetch groups): a plan that
+    differs pairs one rank's collectives with another's."""
+    different = _first_difference(lines, group)
+    if different is None:
+        return
+    other, i, line_a, line_b = different
+    raise ZrsError(
+        f"ranks planned {what} differently: line {i} is `{line_a}` on rank 0 but `{line_b}` on "
+        f"rank {other}. The planner's inputs must agree: pass the same memory_budget on every "
+        "rank, or leave it to zrs"
+    )
+
+
+def _first_difference(
+    lines: list[str], group: dist.ProcessGroup | None
+) -> tuple[int, int, str, str] | None:
+    """None if every rank has the same `lines`, else (a rank that differs from rank 0, the
+    index of the first differing line, rank 0's line, that rank's line). The lines themselves
+    are exchanged only when their digests differ."""
+    if group is None or dist.get_world_size(group) == 1:
+        return None
+    text = "\n".join(lines).encode()
+    digests = all_gather_bytes(hashlib.sha256(text).digest(), group)
+    if len(set(digests)) == 1:
+        return None
+    everyone = [t.decode().split("\n") for t in all_gather_bytes(text, group)]
+    other = next(r for r, d in enumerate(digests) if d != digests[0])
+    return (other, *first_difference(everyone[0], everyone[other]))

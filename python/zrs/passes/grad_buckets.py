@@ -9,22 +9,22 @@ from the graph's order of gradients after scheduling (`zrs._core.grad_buckets`),
 `reduce_grad` carries its bucket's exact size (`bucket_numel`) and the runtime allocates each
 bucket at that size, so it is reduced full, without a copy. The graph alone decides, so every
 rank plans the same buckets. A `reduce_grad` without a planned size (`bucket_numel=0`) still
-fills a bucket of `runtime.GRAD_BUCKET_NUMEL`, reduced partly full if need be.
+fills a bucket of `grads.GRAD_BUCKET_NUMEL`, reduced partly full if need be.
 """
 
 from __future__ import annotations
 
 from torch import fx
 
-from zrs import _core, runtime
+from zrs import _core, grads
 from zrs.passes._nodes import is_op
 from zrs.runtime import handle
 
 
 def plan_grad_buckets(graph: fx.Graph, capacity: int | None = None) -> list[int]:
     """Set `bucket_numel` on every `reduce_grad` of `graph` (buckets of at most `capacity`
-    elements per rank, default `runtime.GRAD_BUCKET_NUMEL`); returns the sizes in graph order."""
-    capacity = runtime.GRAD_BUCKET_NUMEL if capacity is None else capacity
+    elements per rank, default `grads.GRAD_BUCKET_NUMEL`); returns the sizes in graph order."""
+    capacity = grads.GRAD_BUCKET_NUMEL if capacity is None else capacity
     reduces = [n for n in graph.nodes if is_op(n, "reduce_grad")]
     sizes = _core.grad_buckets([handle(int(n.args[2])).shard_numel for n in reduces], capacity)
     for n, size in zip(reduces, sizes, strict=True):

@@ -83,6 +83,7 @@ from zrs import plan as zplan
 from zrs._core import ZrsError
 from zrs.exchange import all_gather_bytes
 from zrs.passes._nodes import OPS, alias_closure, is_op, is_view, region_body, tensors_in, val
+from zrs.passes.consistency import check_same_plan
 from zrs.profile import SYMBOLIC_DIM, SizeHints, concrete, profile_graph, size_hints
 
 SCHEDULERS = ("search", "greedy", "none")
@@ -688,6 +689,9 @@ def schedule_graph(
         if "infeasible" in str(e):
             raise _budget_error(str(e), what, ctx, ir["base_bytes"]) from None
         raise ZrsError(f"{what}: planning failed: {e}") from None
+    check_same_plan(
+        [f"budget {budget}", f"order {p['order']}", f"groups {p['groups']}"], ctx.group, what
+    )
     prefetches = apply_plan(graph, nodes, p["order"], p["groups"], graph_id)
     if trace:
         _write_trace(ir, p, budget, ctx, graph_id, is_backward)

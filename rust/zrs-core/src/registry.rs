@@ -248,6 +248,21 @@ impl Registry {
         }
     }
 
+    /// Forgets every hold and gathered copy (a step that failed part-way: its releases never
+    /// ran). Returns how many parameters were still held or gathered.
+    pub fn drop_all_gathers(&mut self) -> usize {
+        let mut dropped = 0;
+        for p in self.params.values_mut() {
+            if p.holders > 0 || p.status != Status::Partitioned {
+                dropped += 1;
+            }
+            p.holders = 0;
+            p.status = Status::Partitioned;
+            p.gathered_valid = false;
+        }
+        dropped
+    }
+
     /// Records how many nodes of graph `graph_id` use the parameter; 0 forgets the entry.
     pub fn set_uses(&mut self, graph_id: usize, ds_id: ParamId, n: usize) -> Result<()> {
         let uses = &mut self.info_mut(ds_id)?.uses;
@@ -297,6 +312,27 @@ mod tests {
     #[test]
     fn zero_world_size_is_an_error() {
         assert_eq!(Registry::new(0).unwrap_err(), Error::InvalidWorldSize(0));
+    }
+
+    #[test]
+    fn dropping_all_gathers_forgets_holds_and_copies() {
+        let mut r = reg(2);
+        let (a, b, c) = (
+            add(&mut r, &[4], false),
+            add(&mut r, &[4], true),
+            add(&mut r, &[4], false),
+        );
+        assert!(r.start_gather(a).unwrap());
+        assert!(r.start_gather(b).unwrap());
+        r.finish_gather(b).unwrap();
+        assert!(!r.release(b).unwrap()); // persistent: stays available, unheld
+        assert_eq!(r.drop_all_gathers(), 2);
+        for id in [a, b, c] {
+            assert_eq!(state(&r, id), (Status::Partitioned, false, 0));
+        }
+        assert!(r.start_gather(a).unwrap()); // a fresh gather, not a reuse
+        assert_eq!(r.drop_all_gathers(), 1);
+        assert_eq!(r.drop_all_gathers(), 0);
     }
 
     #[test]

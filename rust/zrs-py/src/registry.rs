@@ -124,6 +124,10 @@ impl PyRegistry {
         self.0.invalidate_all();
     }
 
+    fn drop_all_gathers(&mut self) -> usize {
+        self.0.drop_all_gathers()
+    }
+
     fn set_uses(&mut self, graph_id: usize, ds_id: ParamId, n: usize) -> PyResult<()> {
         ToPyResult(self.0.set_uses(graph_id, ds_id, n)).into_py()
     }

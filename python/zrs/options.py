@@ -1,0 +1,63 @@
+"""The dtype decisions of `zrs.compile`: which dtypes it accepts, shards in and reduces in.
+
+Shards are fp32 master weights, whatever the parameters' float dtype, except for a float64 model,
+which keeps float64 throughout (shards, gathers and, unless told otherwise, the gradient reduce).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zrs._core import ZrsError
+
+# The dtypes that the gathers, the gradient packing (CUDA kernels included) and the collectives
+# handle: ops._SCALAR_TYPES and the DtypeCodes of cuda/zrs_kernels.cu.
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_dtype(name: str, value: object) -> None:
+    """Raise unless `value` (the `name` option) is None or one of FLOAT_DTYPES."""
+    if value is None or value in FLOAT_DTYPES:
+        return
+    choices = ", ".join(str(d) for d in FLOAT_DTYPES)
+    raise ZrsError(
+        f"{name} must be a floating-point torch.dtype ({choices}) or None, not {value!r}: "
+        f"pass e.g. {name}=torch.bfloat16, or leave it out for the default"
+    )
+
+
+def check_param_dtypes(model: nn.Module) -> None:
+    """Raise for a parameter that cannot be sharded (not floating point), and for float64
+    parameters mixed with other float dtypes (the shards and the reduce have one precision)."""
+    for name, param in model.named_parameters():
+        if not param.is_floating_point():
+            raise ZrsError(
+                f"parameter {name!r} has dtype {param.dtype}, which zrs cannot shard: parameters "
+                "must be floating point (the master shards are fp32, fp64 for a float64 model); "
+                "register non-float state as a buffer instead (module.register_buffer)"
+            )
+    dtypes = {p.dtype for p in model.parameters()}
+    if torch.float64 in dtypes and len(dtypes) > 1:
+        others = ", ".join(sorted(str(d) for d in dtypes - {torch.float64}))
+        raise ZrsError(
+            f"the model mixes float64 parameters with {others} ones: zrs keeps float64 shards "
+            "for a float64 model and fp32 ones otherwise, not both. Cast the model to one dtype "
+            "first: model.double() for float64 training, or model.float() (and param_dtype= "
+            "for a lower compute precision)"
+        )
+
+
+def shard_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """The master shard dtype of a parameter of `param_dtype`: float64 stays float64 (narrowing
+    it would lose the precision the model asked for), the others are kept as fp32."""
+    return torch.float64 if param_dtype == torch.float64 else torch.float32
+
+
+def default_reduce_dtype(model: nn.Module, reduce_dtype: torch.dtype | None) -> torch.dtype:
+    """`reduce_dtype` if given; else the dtype of the model's shards (float64 for a model whose
+    parameters are all float64, fp32 otherwise)."""
+    if reduce_dtype is not None:
+        return reduce_dtype
+    dtypes = {p.dtype for p in model.parameters()}
+    return torch.float64 if dtypes == {torch.float64} else torch.float32

@@ -8,7 +8,7 @@ collective is needed and when a buffer may be freed.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,10 @@ class InFlight:
     fused: bool  # True: `recv` still has to be unpacked into the members' buffers
     done: torch.cuda.Event | None = None  # on a side stream: the gather (and unpack) finished
     flat: Flat | None = None  # the members' group buffer (fused gathers)
+    graph: int = field(init=False)  # the graph that issued it (error messages)
+
+    def __post_init__(self) -> None:
+        self.graph = self.state.step.graph
 
     @property
     def state(self) -> ZeroState:
@@ -39,7 +43,7 @@ class InFlight:
 
     def describe(self) -> str:
         hs = [h for h, _ in self.members]
-        return f"the all-gather of {names(hs)} in {self.state.graph_label()}"
+        return f"the all-gather of {names(hs)} in {self.state.graph_label(self.graph)}"
 
     def complete(self) -> None:
         streams.wait_for(self.done)

@@ -45,6 +45,10 @@ class Reduce:
     members: list[tuple[ParamHandle, int]]
     packed: torch.Tensor  # the bucket, kept alive until the reduce-scatter has read it
     done: torch.cuda.Event | None = None  # on the reduce stream: the reduce-scatter finished
+    graph: int = field(init=False)  # the graph that issued it (error messages)
+
+    def __post_init__(self) -> None:
+        self.graph = self.state.step.graph
 
     @property
     def state(self) -> ZeroState:
@@ -52,7 +56,7 @@ class Reduce:
 
     def describe(self) -> str:
         hs = [h for h, _ in self.members]
-        return f"the gradient reduce-scatter of {names(hs)} in {self.state.graph_label()}"
+        return f"the gradient reduce-scatter of {names(hs)} in {self.state.graph_label(self.graph)}"
 
 
 def reduce_scatter_full(h: ParamHandle, grad: torch.Tensor) -> torch.Tensor:

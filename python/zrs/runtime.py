@@ -193,9 +193,10 @@ class ZeroState:
         if self.broken is not None:
             raise ZrsError(self.broken)
 
-    def graph_label(self) -> str:
+    def graph_label(self, graph: int) -> str:
+        """`graph` (-1: none known) and the phase running now, for an error message."""
         phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
-        return f"graph {self.step.graph} ({phase})" if self.step.graph >= 0 else phase
+        return f"graph {graph} ({phase})" if graph >= 0 else phase
 
     # --- steps ------------------------------------------------------------------------------
 

@@ -18,8 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import zrs
+from zrs.exchange import group_timeout
 
 STEPS = 5
 LR, MOMENTUM = 0.1, 0.9
@@ -79,15 +81,17 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def build(timeout: float, **kwargs: Any) -> tuple[Net, torch.optim.Optimizer]:
+def build(
+    timeout: float, backend: str = "eager", **kwargs: Any
+) -> tuple[Net, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = zrs.compile(Net(), backend="eager", timeout=timeout, **kwargs)
+    model = zrs.compile(Net(), backend=backend, timeout=timeout, **kwargs)
     return model, torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
 
 
-def batch(rank: int, step: int) -> torch.Tensor:
+def batch(rank: int, step: int, rows: int = 6) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(6, 8, generator=g)
+    return torch.randn(rows, 8, generator=g)
 
 
 def _store() -> dist.Store:
@@ -114,18 +118,22 @@ def _raise(message: str) -> Callable[[], None]:
 
 
 def _params(model: nn.Module) -> list[torch.Tensor]:
-    return [p.to_local().detach().clone() for p in model.parameters()]
+    return [
+        (p.to_local() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()
+    ]
 
 
 # --- every rank raises in one phase: a clean recovery -------------------------------------------
 
 
-def all_ranks_raise(rank: int, world: int, timeout: float) -> dict[str, Any]:
+def all_ranks_raise(
+    rank: int, world: int, timeout: float, backend: str = "eager"
+) -> dict[str, Any]:
     """Every rank raises in the forward (step 1), the backward (step 2) and the optimizer step
     (step 3), catches it and skips the batch; the parameters must equal those of a run that
-    skipped those batches cleanly."""
-    failing, failing_opt = build(timeout)
-    clean, clean_opt = build(timeout)
+    skipped those batches cleanly. Also reports the timeouts of the model's communicators."""
+    failing, failing_opt = build(timeout, backend)
+    clean, clean_opt = build(timeout, backend)
 
     def refuse(*_: Any) -> None:
         raise Fault("optimizer step refused")
@@ -150,7 +158,10 @@ def all_ranks_raise(rank: int, world: int, timeout: float) -> dict[str, Any]:
             if hook is not None:
                 hook.remove()
     same = all(torch.equal(a, b) for a, b in zip(_params(failing), _params(clean), strict=True))
-    return {"caught": caught, "same": same, "busy": failing._zrs_state.step.busy()}
+    state = failing._zrs_state
+    groups = [state.gather_group, state.reduce_group, state.control_group]
+    timeouts = [group_timeout(g).total_seconds() for g in groups if g is not None]
+    return {"caught": caught, "same": same, "busy": state.step.busy(), "timeouts": timeouts}
 
 
 # --- one rank raises ----------------------------------------------------------------------------
@@ -253,6 +264,15 @@ def disagreements(rank: int, world: int, timeout: float) -> dict[str, dict[str, 
         with torch.no_grad():
             model(batch(rank, 1))
 
+    def shape_on_one_rank() -> None:
+        model, opt = build(timeout)
+        for step in range(3):
+            if step == 1:
+                mark()
+            rows = 1 if rank == 1 and step == 1 else 6  # a size of 1 is never symbolic: a recompile
+            model(batch(rank, step, rows)).sum().backward()
+            opt.step()
+
     def branch_on_one_rank() -> None:
         model, opt = build(timeout)
         for step in range(3):
@@ -268,6 +288,7 @@ def disagreements(rank: int, world: int, timeout: float) -> dict[str, dict[str, 
         "extra_forward": extra_forward,
         "one_rank_steps": one_rank_steps,
         "eval_on_one_rank": eval_on_one_rank,
+        "shape_on_one_rank": shape_on_one_rank,
         "branch_on_one_rank": branch_on_one_rank,
     }
     for case, run in cases.items():

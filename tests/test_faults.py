@@ -20,11 +20,20 @@ def _within_timeout(record: dict) -> None:
     assert record["seconds"] <= TIMEOUT + MARGIN, record
 
 
+def _recovered(r: dict) -> None:
+    assert r["caught"] == ["forward", "backward", "optimizer step refused"]
+    assert r["same"], "the parameters differ from those of a run that skipped the batches"
+    assert not r["busy"]
+
+
 def test_every_rank_raising_in_a_phase_recovers_to_the_clean_skip():
     for r in run_workers(faults.all_ranks_raise, 2, TIMEOUT, timeout=BOUND):
-        assert r["caught"] == ["forward", "backward", "optimizer step refused"]
-        assert r["same"], "the parameters differ from those of a run that skipped the batches"
-        assert not r["busy"]
+        _recovered(r)
+        assert r["timeouts"] == [TIMEOUT] * 3, "every communicator zrs made waits `timeout`"
+
+
+def test_one_process_recovers_under_inductor_too():
+    _recovered(faults.all_ranks_raise(0, 1, TIMEOUT, "inductor"))
 
 
 _RAISES = {}
@@ -70,6 +79,7 @@ _EXPECTED = {
     "extra_forward": "disagree",
     "one_rank_steps": "optimizer steps",
     "eval_on_one_rank": "training",
+    "shape_on_one_rank": "compile",
     "branch_on_one_rank": "compile",
 }
 

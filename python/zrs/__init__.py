@@ -97,8 +97,10 @@ def compile(
         process_group: the data-parallel group (default: the world group; none needed for one
             process).
         backend: "inductor" (default) or "eager" (run the lowered FX graphs without codegen).
-        param_dtype: compute dtype of gathered parameters (e.g. torch.bfloat16); shards stay fp32.
-        reduce_dtype: dtype of the gradient reduce-scatter (default fp32).
+        param_dtype: compute dtype of gathered parameters (e.g. torch.bfloat16); shards stay fp32
+            (float64 in a float64 model).
+        reduce_dtype: dtype of the gradient reduce-scatter (default fp32; float64 in a float64
+            model).
         init_fn: for a model built on the meta device, `fn(module)` initialises one module's own
             parameters and buffers (default: the module's `reset_parameters()`).
         memory_budget: bytes each compiled graph may allocate (gathered parameters and

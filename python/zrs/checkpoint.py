@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from zrs._core import ZrsError
-from zrs.runtime import ZeroState
+from zrs.runtime import ZeroState, new_group_like
 
 _EXTRA = "zrs_extra"  # the key of save()'s `extra`
 
@@ -72,6 +72,7 @@ def save(
     the future to wait on before the next save.
     """
     state = _state(model)
+    state.check_usable()  # after a failed collective the peers may be gone: no save can finish
     content = _state_dict(model, optimizer)
     if extra is not None:
         # One pickled value, written once: DCP would split nested dicts and lists into keys.
@@ -89,10 +90,7 @@ def _cpu_group(state: ZeroState) -> dist.ProcessGroup | None:
     if state.group is None:
         return None
     if state.checkpoint_group is None:
-        ranks = dist.get_process_group_ranks(state.group)
-        state.checkpoint_group = dist.new_group(
-            ranks, backend="gloo", use_local_synchronization=True
-        )
+        state.checkpoint_group = new_group_like(state.group, state.timeout, backend="gloo")
     return state.checkpoint_group
 
 
@@ -108,6 +106,7 @@ def load(
     were, when the checkpoint does not match them or cannot be read.
     """
     state = _state(model)
+    state.check_usable()
     path = os.fspath(checkpoint_id)
     target = _state_dict(model, optimizer)
     metadata = _read_metadata(path)

@@ -190,8 +190,11 @@ class Peers:
         return f"{self.prefix}/compile{n}/rank{rank}"
 
     def note(self, why: str) -> None:
-        """Leave why this rank stopped issuing its collectives where its peers look (`explain`)."""
-        self.store.set(f"{self.prefix}/failed/rank{self.rank}", why)
+        """Leave why this rank stopped issuing its collectives where its peers look (`explain`).
+        The first reason stays: a later one (its own timeout) is a consequence."""
+        key = f"{self.prefix}/failed/rank{self.rank}"
+        if not self.store.check([key]):  # only this rank writes its key: no race
+            self.store.set(key, why)
 
     def explain(self) -> str | None:
         """Why a collective of this rank failed, if a peer left a reason: it waits at (or gave

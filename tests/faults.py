@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 import zrs
 from zrs.exchange import group_timeout
 
-STEPS = 5
+STEPS = 6
 LR, MOMENTUM = 0.1, 0.9
 
 
@@ -68,6 +68,9 @@ class Net(nn.Module):
         self.first = nn.Linear(8, 16)
         self.second = nn.Linear(16, 16)
         self.head = nn.Linear(16, 4)
+        # Read inside the second graph: out-of-range values make it raise half-way, with the
+        # head's gather possibly in flight.
+        self.register_buffer("columns", torch.arange(16))
         if extra:
             self.extra = nn.Linear(4, 4)  # registered last: only this rank has it
         self.trigger = _Trigger()
@@ -75,7 +78,7 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor, branch: bool = False) -> torch.Tensor:
         x = torch.relu(self.first(x))
         x = _fire(x, self.trigger)
-        x = torch.relu(self.second(x))
+        x = torch.relu(self.second(x)).index_select(1, self.columns)
         if branch:  # data-dependent control flow on one rank: a graph only it compiles
             x = x * 2
         return self.head(x)
@@ -129,9 +132,10 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
 def all_ranks_raise(
     rank: int, world: int, timeout: float, backend: str = "eager"
 ) -> dict[str, Any]:
-    """Every rank raises in the forward (step 1), the backward (step 2) and the optimizer step
-    (step 3), catches it and skips the batch; the parameters must equal those of a run that
-    skipped those batches cleanly. Also reports the timeouts of the model's communicators."""
+    """Every rank raises in the forward between graphs (step 1), the backward (step 2), the
+    optimizer step (step 3) and the forward inside a graph (step 4), catches it and skips the
+    batch; the parameters must equal those of a run that skipped those batches cleanly. Also
+    reports the timeouts of the model's communicators."""
     failing, failing_opt = build(timeout, backend)
     clean, clean_opt = build(timeout, backend)
 
@@ -142,21 +146,27 @@ def all_ranks_raise(
     for step in range(STEPS):
         for model, opt, faulty in ((failing, failing_opt, True), (clean, clean_opt, False)):
             opt.zero_grad()
-            if not faulty and step in (1, 2, 3):
+            if not faulty and step in (1, 2, 3, 4):
                 continue  # the clean skip
             if faulty and step == 1:
                 model.trigger.forward = _raise("forward")
             if faulty and step == 2:
                 model.trigger.backward = _raise("backward")
             hook = opt.register_step_pre_hook(refuse) if faulty and step == 3 else None
+            if faulty and step == 4:
+                model.columns.fill_(99)  # index_select raises inside the graph
             try:
                 model(batch(rank, step)).square().mean().backward()
                 opt.step()
             except Fault as e:
                 caught.append(str(e))
                 opt.zero_grad()
+            except (IndexError, RuntimeError) as e:
+                caught.append(f"in graph: {type(e).__name__}")
+                opt.zero_grad()
             if hook is not None:
                 hook.remove()
+            model.columns.copy_(torch.arange(16))
     same = all(torch.equal(a, b) for a, b in zip(_params(failing), _params(clean), strict=True))
     state = failing._zrs_state
     groups = [state.gather_group, state.reduce_group, state.control_group]

@@ -204,6 +204,8 @@ class ZeroState:
         """Start a call of the compiled model: refuse a broken model, clean up after a step that
         stopped part-way, and check that every rank is at the same call (STEP_COUNTERS)."""
         self.check_usable()
+        if torch._C._current_graph_task_id() != -1:
+            return  # a recompute inside the backward (activation checkpointing): mid-step
         if self.step.busy():
             self.recover(
                 "the previous step stopped part-way (an exception in its forward or backward)"

@@ -9,6 +9,7 @@ entries. The timeout is the zrs.compile `timeout=` of every model built here.
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import time
@@ -85,7 +86,7 @@ class Net(nn.Module):
 
 
 def build(
-    timeout: float, backend: str = "eager", **kwargs: Any
+    timeout: float | None, backend: str = "eager", **kwargs: Any
 ) -> tuple[Net, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = zrs.compile(Net(), backend=backend, timeout=timeout, **kwargs)
@@ -310,10 +311,17 @@ def disagreements(rank: int, world: int, timeout: float) -> dict[str, dict[str, 
 # --- a rank stops or dies -----------------------------------------------------------------------
 
 
-def peer_lost(rank: int, world: int, timeout: float, how: str) -> dict[str, Any]:
+def peer_lost(
+    rank: int, world: int, timeout: float, how: str, group_timeout: bool = False
+) -> dict[str, Any]:
     """Rank 1 stops (SIGSTOP, `how="stop"`) or is killed (SIGKILL, `how="kill"`) in its backward
-    at step 1; the surviving ranks must raise within the timeout, and refuse to run on."""
-    model, opt = build(timeout)
+    at step 1; the surviving ranks must raise within the timeout, and refuse to run on.
+    `group_timeout`: the timeout is the process group's (`new_group(timeout=)`), not zrs's."""
+    if group_timeout:
+        group = dist.new_group(timeout=datetime.timedelta(seconds=timeout))
+        model, opt = build(None, process_group=group)
+    else:
+        model, opt = build(timeout)
     name = f"peer_{how}"
 
     def lose() -> None:

@@ -94,9 +94,13 @@ def test_every_disagreement_raises_the_same_error_on_every_rank():
             _within_timeout(record)
 
 
-@pytest.mark.parametrize("how", ["stop", "kill"])
-def test_a_lost_peer_gives_the_others_an_error_within_the_timeout(how):
-    survivor, lost = run_faulty(faults.peer_lost, 2, TIMEOUT, how, timeout=BOUND)
+@pytest.mark.parametrize(
+    ("how", "group_timeout"),
+    [("stop", True), ("kill", False)],
+    ids=["stopped, the group's timeout", "killed, zrs's timeout"],
+)
+def test_a_lost_peer_gives_the_others_an_error_within_the_timeout(how, group_timeout):
+    survivor, lost = run_faulty(faults.peer_lost, 2, TIMEOUT, how, group_timeout, timeout=BOUND)
     assert lost is None, lost  # stopped or dead: it left no result
     _within_timeout(survivor)
     assert "reduce-scatter" in survivor["error"] or "all-gather" in survivor["error"]

@@ -36,7 +36,6 @@ import contextlib
 import os
 import shutil
 import statistics
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -49,7 +48,6 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import step
 import zrs.checkpoint
 

@@ -26,8 +26,8 @@ def worker(system: str, size: str, steps: int) -> dict:
     import torch
 
     import zrs
-    from zrs.data import BatchSampler, load_corpus
-    from zrs.models import GPT, config_for
+    from zrs.train.data import BatchSampler, load_corpus
+    from zrs.train.gpt import GPT, config_for
 
     torch.manual_seed(0)
     cfg = config_for(size)

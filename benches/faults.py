@@ -1,12 +1,12 @@
 """Time from each fault to the error on the surviving ranks (2 CPU ranks, gloo), and the cost of
 the step check that zrs runs before every forward.
 
-    python benches/faults.py --timeout 10 --out benches/results/cpu_s15_faults.jsonl
+    PYTHONPATH=tests/support python benches/faults.py --timeout 10 --out FILE.jsonl
 
-Runs the scenarios of tests/faults.py with `zrs.compile(timeout=...)`; one JSON line per fault and
+Runs the scenarios of the tests (`tests/support/faults.py`, hence the PYTHONPATH) with `zrs.compile(timeout=...)`; one JSON line per fault and
 rank: the error's class, its first 200 characters and the seconds from the fault to it. Then one
 line for the step check: the mean microseconds of one exchange of the step counters between the
-ranks (`zrs.exchange.all_gather_ints` on a gloo group, what `ZeroState.begin_forward` issues).
+ranks (`zrs.runtime.exchange.all_gather_ints` on a gloo group, what `ZeroState.begin_forward` issues).
 """
 
 from __future__ import annotations
@@ -17,17 +17,14 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
-import faults  # noqa: E402
-from _dist import run_faulty, run_workers  # noqa: E402
+import faults
+from _dist import run_faulty, run_workers
 
 
 def _check_cost(rank: int, world: int, calls: int) -> float:
     import torch.distributed as dist
 
-    from zrs.exchange import all_gather_ints
+    from zrs.runtime.exchange import all_gather_ints
 
     group = dist.new_group(backend="gloo")
     for _ in range(20):

@@ -41,7 +41,6 @@ def _peak_rss_gib() -> float:
 def worker(profile: bool, backend: str) -> dict:
     import torch.distributed as dist
 
-    sys.path.insert(0, str(HERE))
     import zrs
     from llama import Llama, LlamaConfig
 

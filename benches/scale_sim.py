@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from zrs import plan as zplan
+from zrs import planner as zplan
 
 GPUS_PER_NODE = 8
 INTERNODE_BUS_GBPS = 50.0

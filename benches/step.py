@@ -95,7 +95,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_models
 from hf_models import HF_PRESETS
 from llama import PRESETS, Llama, LlamaConfig, init_weights

@@ -30,9 +30,9 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export ZRS_CUDA_SRC="$PWD/cuda"  # the kernel source, in case the wheel does not ship it
 
 echo "device_setup: $(basename "$wheel"); $(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs)"
-# (-W: runpy notes that the package already imported zrs.kernels; harmless here)
+# (-W: runpy notes that the package already imported zrs.runtime.kernels; harmless here)
 # ZRS_SKIP_PREBUILD=1 skips the kernel build (runs that do not use the kernels, short budgets).
-if [ -z "${ZRS_SKIP_PREBUILD:-}" ] && ! python3 -W "ignore::RuntimeWarning:runpy" -m zrs.kernels --build; then
+if [ -z "${ZRS_SKIP_PREBUILD:-}" ] && ! python3 -W "ignore::RuntimeWarning:runpy" -m zrs.runtime.kernels --build; then
   echo "device_setup: kernel prebuild FAILED; zrs falls back to torch ops (with a warning)" >&2
 fi
 

@@ -37,7 +37,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from zrs._core import ZrsError
-from zrs.runtime import ZeroState, new_group_like
+from zrs.runtime.collectives import new_group_like
+from zrs.runtime.state import ZeroState
 
 _EXTRA = "zrs_extra"  # the key of save()'s `extra`
 

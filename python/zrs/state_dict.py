@@ -20,9 +20,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from zrs import runtime
 from zrs._core import ZrsError
-from zrs.runtime import ParamHandle
+from zrs.runtime import collectives
+from zrs.runtime import state as runtime
+from zrs.runtime.state import ParamHandle
 
 # Attribute of a state-dict DTensor: (rank, world size) of the rank whose rows it holds. It
 # survives torch.save (a tensor subclass pickles its __dict__).
@@ -48,7 +49,7 @@ def _local_rows(h: ParamHandle, full: torch.Tensor) -> torch.Tensor:
     full = full.detach().to(h.param.device, h.shard.dtype)
     if h.spec is None or not h.shape:  # the whole tensor; a 0-d one is replicated
         return full if h.spec is None else DTensor(full, h.spec, requires_grad=False)
-    first = h.state.rank * h.state.registry.info(h.local_id).shard_rows
+    first = h.state.rank * h.state.registry.info(h.slot).shard_rows
     local = full.narrow(0, first, h.local_shape[0]).contiguous()
     return DTensor(local, h.spec, requires_grad=False)
 
@@ -112,7 +113,7 @@ def full_state_dict(
         h = names.get(key)
         if h is not None:
             if h.ds_id not in gathered:
-                full = runtime.gather_full(h, h.shard, None)
+                full = collectives.gather_full(h, h.shard, None)
                 full = full.cpu() if cpu_offload else full.clone()
                 gathered[h.ds_id] = full if keep else full.new_empty(0)
             value = gathered[h.ds_id]

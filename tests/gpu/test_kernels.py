@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import zrs  # noqa: F401  (defines the ops)
-from zrs import kernels
+from zrs.runtime import kernels
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -1,0 +1,204 @@
+"""The dynamo backend: AOTAutograd with a ZeRO-3 partitioner, the zero3 pass, then codegen.
+
+Each dynamo graph (a graph break gives several) gets its own graph_id, shared by its forward and
+backward. The joint graph is partitioned with gathers marked must-recompute; the partitioned graphs
+are checked for cross-rank agreement, lowered by `passes.zero3` and scheduled by
+`passes.schedule` (the planner's order and fused prefetches). With `backend="inductor"` both run
+as inductor's last post-grad pass, so no inductor rewrite (e.g. `mm + add -> addmm`) can move a
+use of a gathered parameter past its release; inductor's own peak-memory reordering is then off,
+so the planned order (a prefetch before its members' gathers) holds. With `backend="eager"` the
+lowered FX graphs run as they are.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import hashlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch._aot_autograd.utils import make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn
+
+from zrs._core import ZrsError
+from zrs.compiler import pipeline
+from zrs.compiler.plan import ScheduleContext
+from zrs.compiler.profile import symints
+from zrs.compiler.recompute import reroute_aliased_outputs, tag_gathers_for_recompute
+from zrs.compiler.regions import inline_regions, lift_region_gathers, resolve_gathers
+from zrs.compiler.torch_fixes import region_schemas_built_once
+from zrs.runtime.state import ZeroState
+
+BACKENDS = ("inductor", "eager")
+_log = logging.getLogger("zrs")
+
+
+def _source_hash(*names: str) -> str:
+    here = Path(__file__).parent
+    return hashlib.sha256(b"".join((here / n).read_bytes() for n in names)).hexdigest()
+
+
+class ZeroPartitioner(CustomPartitionerFn):
+    """Min-cut rematerialization that never saves a gathered parameter for backward."""
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+        tag_gathers_for_recompute(gm.graph)
+        reroute_aliased_outputs(gm)
+        kwargs.setdefault("compiler", "inductor")
+        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+    def uuid(self) -> str:
+        return _source_hash("recompute.py")
+
+
+PARTITIONER = ZeroPartitioner()
+
+# (graph_id, is_backward, keep, lower, schedule context, graph) of the graph inductor is
+# compiling right now; keep: a training forward of a keep_for_backward model, which keeps its last
+# gathered parameters for the backward (in the FX cache key with the rest).
+_CURRENT: contextvars.ContextVar[tuple[int, bool, bool, Any, ScheduleContext, fx.Graph]] = (
+    contextvars.ContextVar("zrs_current")
+)
+
+
+class ZeroLowering(CustomGraphPass):
+    """The zero3 and schedule passes as inductor's `post_grad_custom_post_pass`."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        _, is_backward, keep, lower, ctx, top = _CURRENT.get()
+        if graph is top:  # inductor runs its post-grad passes on each block's body too
+            lower(graph, is_backward, keep, ctx)
+
+    def uuid(self) -> str:
+        # graph_id and the schedule options are not in the graph before this pass runs, so they
+        # must be in the cache key.
+        graph_id, is_backward, keep, _, ctx, _ = _CURRENT.get()
+        source = _source_hash(*pipeline.LOWERING_SOURCES)
+        return f"{source}:{graph_id}:{int(is_backward)}:{int(keep)}:{ctx.key()}"
+
+
+LOWERING = ZeroLowering()
+
+
+def make_backend(state: ZeroState, backend: str):
+    """A dynamo backend for one `zrs.compile` call (`backend` is checked by the caller)."""
+
+    def zrs_backend(gm: fx.GraphModule, example_inputs: list[Any]):
+        regions = lift_region_gathers(gm)
+        resolve_gathers(gm, example_inputs, lambda shard: state.ds_ids.get(id(shard)))
+        graph_id = next(state.graph_ids)
+        try:
+            return _compile_graph(gm, example_inputs, graph_id)
+        except ZrsError:
+            raise
+        except Exception as e:
+            if not regions:
+                raise
+            # AOTAutograd does not take every region (torch 2.11: symbolic sizes inside one
+            # raised a data-dependent error); the same graph with each call inlined is the
+            # per-layer compile, right if slower to build.
+            _log.warning(
+                "zrs: graph %d: the repeated blocks could not be compiled once (%s: %s); each "
+                "layer is compiled on its own instead",
+                graph_id,
+                type(e).__name__,
+                str(e).splitlines()[0] if str(e) else "",
+            )
+            inline_regions(gm)
+            return _compile_graph(gm, example_inputs, graph_id)
+
+    def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], graph_id: int):
+        check = functools.partial(pipeline.check_graph, state, graph_id)
+        lower = functools.partial(pipeline.lower, state, graph_id)
+        # A cache hit would skip the partitioner, the rank check and the zero3 pass.
+        context = functools.partial(pipeline.plan_context, state)
+        keeps = state.keep_for_backward
+        # The backward is compiled now, beside the forward, not lazily inside the first backward:
+        # there its profile (real tensors of the graph's shapes) ran while the step's real saved
+        # activations were live, and the first step peaked above every later one (1b on 2xH200:
+        # 19.00 GiB against 16.27; benches/first_step_rss.py on the CPU). Its automatic CUDA
+        # budget also no longer counts the saved activations twice (once as the planner's base
+        # bytes, once as memory already taken).
+        with (
+            torch._functorch.config.patch(
+                enable_autograd_cache=False, force_non_lazy_backward_lowering=True
+            ),
+            region_schemas_built_once(),
+        ):
+            if backend == "inductor":
+                return _inductor(gm, example_inputs, graph_id, check, lower, context, keeps)
+            return _eager(gm, example_inputs, check, lower, context, keeps)
+
+    return zrs_backend
+
+
+# Inductor options whose effect is decided by timing on each rank. shape_padding pads a matmul
+# when a benchmark says padding is faster: on 2 GPUs one rank padded a 3x5 matmul and the other
+# did not, and the rank check refused the differing graphs (tests/gpu, mlp and chunked models).
+# force_shape_pad decides without a benchmark, the same on every rank: every matmul with a
+# misaligned dimension is padded. Without padding, GPT-2's head (vocabulary 50257) ran cuBLAS's
+# unaligned kernels: 68.2 ms of matmuls per step against 55.0 for the compiled one-GPU model,
+# which pads (GPT-2 XL shape, one H200, session 10).
+SAME_ON_EVERY_RANK: dict[str, Any] = {"shape_padding": True, "force_shape_pad": True}
+
+
+def _inductor(
+    gm: fx.GraphModule, example_inputs: list[Any], graph_id: int, check, lower, context, keeps
+):
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner(gm: fx.GraphModule, inputs: list[Any], **kwargs: Any):
+        is_backward = bool(kwargs.get("is_backward", False))
+        keep = keeps and not is_backward and not kwargs.get("is_inference", False)
+        check(gm.graph, is_backward)  # before inductor's cache lookup: every rank runs it
+        ctx = context()  # likewise (the CUDA budget is a collective)
+        patches: dict[str, Any] = {"post_grad_custom_post_pass": LOWERING, **SAME_ON_EVERY_RANK}
+        if ctx.scheduler != "none":
+            # Its topological sorts would undo the plan: how far a prefetch runs ahead of the
+            # compute that needs it is no data dependency.
+            patches["reorder_for_peak_memory"] = False
+        if symints(inputs):
+            # Inductor's mix-order reduction fuses only above a size, and with symbolic sizes it
+            # guarded on the size: Llama 1b on varying lengths compiled a graph per side of each
+            # threshold (~75 s each). Non-strict mode decides without the size, hence no guard.
+            patches["triton.mix_order_reduction_non_strict_mode"] = True
+        if ctx.profile and ctx.world > 1:
+            # The profile inside the pass is exchanged between ranks: a cache hit on one rank
+            # only (which skips the pass) would leave the others waiting in the exchange.
+            patches["fx_graph_cache"] = False
+        token = _CURRENT.set((graph_id, is_backward, keep, lower, ctx, gm.graph))
+        try:
+            # Patched per graph, not around compile_fx: the forward and the backward differ.
+            with inductor_config.patch(patches):
+                return compile_fx_inner(gm, inputs, **kwargs)
+        finally:
+            _CURRENT.reset(token)
+
+    with inductor_config.patch(custom_partitioner_fn=PARTITIONER, **SAME_ON_EVERY_RANK):
+        return compile_fx(gm, example_inputs, inner_compile=inner)
+
+
+def _eager(gm: fx.GraphModule, example_inputs: list[Any], check, lower, context, keeps):
+    def compiler(is_backward: bool, keep: bool):
+        def run(gm: fx.GraphModule, inputs: list[Any]):
+            check(gm.graph, is_backward)
+            lower(gm.graph, is_backward, keep, context())
+            gm.recompile()
+            return make_boxed_func(gm.forward)
+
+        return run
+
+    return aot_autograd(
+        fw_compiler=compiler(False, keep=keeps),
+        bw_compiler=compiler(True, keep=False),
+        inference_compiler=compiler(False, keep=False),
+        partition_fn=PARTITIONER,
+        keep_inference_input_mutations=True,
+    )(gm, example_inputs)

@@ -1,0 +1,129 @@
+"""The order of the compiled path, written once.
+
+For every graph dynamo captures (``backend.make_backend``), AOTAutograd partitions the joint graph
+(``recompute``: gathers are recomputed, never saved for backward), then for the forward and the
+backward alike:
+
+1. ``check_graph``: every rank compiles this graph now, and it is the same graph on every rank
+   (``consistency``), before inductor's cache lookup;
+2. ``plan_context``: the planner's options, with the automatic CUDA budget (a collective) and,
+   once per model, the timed collective sweep (``profile.measure_collectives``);
+3. ``lower``, inductor's last post-grad pass (or the eager backend's compile step):
+   ``zero3`` (gathers, waits, releases, gradient reduce-scatters) -> ``plan`` (size hints, the
+   profile, ``ir``, the Rust planner, ``reorder``) -> ``keep`` (the forward's last gathers kept
+   for the backward) -> ``grad_buckets`` (the backward's reduce-scatter buckets, in the planned
+   order of gradients) -> ``coalesce`` (one op per fused group; last, so every decision above
+   holds).
+"""
+
+from __future__ import annotations
+
+import time
+
+from torch import fx
+
+from zrs.compiler.coalesce import coalesce
+from zrs.compiler.consistency import check_same_graph
+from zrs.compiler.grad_buckets import plan_grad_buckets
+from zrs.compiler.keep import keep_allowance, keep_for_backward
+from zrs.compiler.plan import ScheduleContext, device_budget, graph_label, schedule_graph
+from zrs.compiler.profile import measure_collectives
+from zrs.compiler.zero3 import lower_zero3
+from zrs.runtime.state import ZeroState
+
+# The files whose code decides what `lower` produces: part of inductor's FX cache key.
+LOWERING_SOURCES = (
+    "pipeline.py",
+    "_fx.py",
+    "zero3.py",
+    "plan.py",
+    "ir.py",
+    "reorder.py",
+    "keep.py",
+    "grad_buckets.py",
+    "coalesce.py",
+)
+
+
+def check_graph(state: ZeroState, graph_id: int, graph: fx.Graph, is_backward: bool) -> None:
+    """Step 1: every rank compiles this graph now, and the same graph, or all raise."""
+    what = graph_label(graph_id, is_backward)
+    state.check_usable()
+    with state.exchanging(f"the rank check of {what}"):
+        if state.peers is not None:  # every rank compiles this graph now, or all raise
+            state.peers.arrive(what)
+        check_same_graph(graph, state.control_group, what)
+
+
+def plan_context(state: ZeroState) -> ScheduleContext:
+    """Step 2: the planner's options for one graph compile. Called on every rank before inductor's
+    cache lookup: an automatic CUDA budget is a collective (the least free memory over ranks)."""
+    budget, source = state.memory_budget, "memory_budget="
+    if budget is None and state.scheduler == "search" and state.device.type == "cuda":
+        with state.exchanging("the exchange of the free device memory"):
+            budget = device_budget(state.control_group, state.device)
+        source = (
+            "the free device memory (least over the ranks, less a margin), capped at the greedy "
+            "schedule's peak plus two of the largest gathers"
+        )
+    elif budget is None:
+        source = "the planner's default (the greedy schedule's peak)"
+    profile = state.profile and state.scheduler != "none"
+    if profile and not state.cost_measured and state.group is not None and state.world_size > 1:
+        t0 = time.perf_counter()
+        with state.exchanging("the collective timing sweep"):
+            state.cost_model = measure_collectives(
+                state.gather_group, state.control_group, state.device
+            )
+        state.cost_measured = True
+        state.compile_s["sweep"] = time.perf_counter() - t0
+    return ScheduleContext(
+        scheduler=state.scheduler,
+        budget=budget,
+        budget_source=source,
+        budget_is_free_memory=state.memory_budget is None and budget is not None,
+        world=state.world_size,
+        device=str(state.device),
+        group=state.control_group,
+        rank=state.rank,
+        trace_dir=state.trace_dir,
+        cost=state.cost_model,
+        profile=profile,
+        reduce_dtype=state.reduce_dtype,
+    )
+
+
+def lower(
+    state: ZeroState,
+    graph_id: int,
+    graph: fx.Graph,
+    is_backward: bool,
+    keep: bool,
+    ctx: ScheduleContext,
+) -> None:
+    """Step 3: the passes, in their order; each phase's wall time goes to `state.compile_s`."""
+    t0 = time.perf_counter()
+    lower_zero3(graph, graph_id, is_backward=is_backward)
+    t1 = time.perf_counter()
+    scheduled = schedule_graph(graph, graph_id, is_backward=is_backward, ctx=ctx)
+    t2 = time.perf_counter()
+    if keep:
+        budget_left = None  # the automatic budget's allowance is the prefetch's (keep.py)
+        if state.memory_budget is not None:
+            peak = scheduled.plan["peak_bytes"] if scheduled is not None else state.memory_budget
+            budget_left = state.memory_budget - peak
+        keep_for_backward(graph, keep_allowance(graph, budget_left))
+    t3 = time.perf_counter()
+    shard_numels = {h.ds_id: h.shard_numel for h in state.handles}
+    if is_backward:
+        plan_grad_buckets(
+            graph, shard_numels
+        )  # after the schedule: its order of gradients fills the buckets
+    t4 = time.perf_counter()
+    coalesce(graph, graph_id, shard_numels)  # last: one op per group, every decision above kept
+    spent = {"lower": t1 - t0, "keep": t3 - t2, "buckets": t4 - t3}
+    spent["coalesce"] = time.perf_counter() - t4
+    if scheduled is not None:
+        spent |= {"profile": scheduled.profile_s, "plan": scheduled.plan_s}
+    for phase, seconds in spent.items():
+        state.compile_s[phase] = state.compile_s.get(phase, 0.0) + seconds

@@ -1,0 +1,159 @@
+"""Lower the functional gather / gather_grad pair into explicit ZeRO-3 communication.
+
+Runs on the partitioned forward and backward graphs (after functionalization, so the alias
+annotations of the lowered ops are legal):
+
+* each `gather` becomes `allgather_param -> wait_allgather -> uses -> release_param`, with the
+  release after the last real use (uses are counted through aliasing views; a tuple-returning user
+  is released after its last `getitem`);
+* a gather whose only user is a downcast gathers in the smaller dtype (fused downcast);
+* each parameter gradient (`gather_grad`, or a sum of them for a parameter used several times)
+  goes to `reduce_grad`, right where it is complete, and `end_backward` flushes the buckets. The
+  graph then returns None for that shard: the runtime accumulates into `shard.grad` itself;
+* a gradient that autograd upcasts back to the shard's dtype (the backward of a fused downcast)
+  goes to `reduce_grad` before the upcast: the bucket packing casts into the reduce dtype anyway,
+  so the graph skips a full-size cast kernel and the wider temporary.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from zrs._core import ZrsError
+from zrs.compiler._fx import OPS, alias_closure, cast_dtype, is_op, val
+
+
+def _lower_gather(graph: fx.Graph, g: fx.Node, graph_id: int) -> None:
+    shard, ds_id = g.args[0], g.args[1]
+    dtype = g.kwargs.get("dtype", g.args[3] if len(g.args) > 3 else None)
+    src = val(g)
+    users = list(g.users)
+    target = g
+    if len(users) == 1:
+        cast = cast_dtype(users[0])
+        if cast is not None and src is not None and cast.itemsize < src.dtype.itemsize:
+            dtype, target = cast, users[0]
+    with graph.inserting_before(g):
+        ag = graph.call_function(
+            OPS.allgather_param.default, (shard, graph_id, ds_id), {"dtype": dtype}
+        )
+        wait = graph.call_function(OPS.wait_allgather.default, (ag, graph_id, ds_id))
+    ag.meta["val"] = wait.meta["val"] = val(target)
+    target.replace_all_uses_with(wait)
+    if target is not g:
+        graph.erase_node(target)
+    graph.erase_node(g)
+
+    # Nodes compare by their position in the graph (fx keeps a sort key on insertion), so no
+    # pass over the whole graph per gather: the lowering stays linear in the graph's size.
+    closure = alias_closure(wait)
+    members = set(closure)
+    escaping = [a for a in closure if any(u.op == "output" for u in a.users)]
+    if escaping:
+        # The parameter escapes the graph (returned, or saved for backward): hand out a copy so
+        # the gathered buffer can still be freed.
+        output = next(iter(graph.find_nodes(op="output")))
+        with graph.inserting_before(output):
+            for a in escaping:
+                copy = graph.call_function(torch.ops.aten.clone.default, (a,))
+                copy.meta["val"] = val(a)
+                output.replace_input_with(a, copy)
+    real = {u for n in closure for u in n.users if u not in members}
+    # The release depends on the output of every real use (a tuple use: on its getitems), not only
+    # the last one: inductor may fuse an earlier use into a kernel it schedules later, and only a
+    # data dependency keeps that kernel ahead of the free.
+    anchors = sorted({a for u in real for a in _tensor_outputs(u)})
+    anchor = anchors[-1] if anchors else wait
+    point = max([*real, anchor])
+    with graph.inserting_after(point):
+        rel = graph.call_function(
+            OPS.release_param.default, (anchor, graph_id, ds_id, len(real), anchors[:-1])
+        )
+    rel.meta["val"] = val(anchor)
+
+
+def _tensor_outputs(node: fx.Node) -> list[fx.Node]:
+    """The nodes holding `node`'s tensor outputs: itself, or the getitems of a tuple output."""
+    if isinstance(val(node), torch.Tensor):
+        return [node]
+    if isinstance(val(node), (tuple, list)):
+        return [
+            u
+            for u in node.users
+            if u.target is operator.getitem and isinstance(val(u), torch.Tensor)
+        ]
+    return []
+
+
+def _grad_leaves(node: fx.Node) -> list[fx.Node]:
+    """The terms of a gradient that autograd summed with `add` (a parameter used twice)."""
+    if node.op == "call_function" and node.target is torch.ops.aten.add.Tensor:
+        return [leaf for a in node.args[:2] if isinstance(a, fx.Node) for leaf in _grad_leaves(a)]
+    return [node]
+
+
+def _before_upcast(node: fx.Node) -> fx.Node:
+    """The input of `node` if `node` only widens a floating-point gradient, else `node`.
+
+    Exact either way: the widening cast is lossless and the packing kernel computes in float32
+    (float64 for a float64 side) before its one cast into the bucket."""
+    dtype = cast_dtype(node)
+    src = node.args[0] if node.args else None
+    if dtype is None or not isinstance(src, fx.Node) or val(src) is None:
+        return node
+    narrow = val(src).dtype
+    if not (narrow.is_floating_point and dtype.is_floating_point):
+        return node
+    return src if narrow.itemsize < dtype.itemsize else node
+
+
+def _lower_grads(graph: fx.Graph, graph_id: int) -> None:
+    output = next(iter(graph.find_nodes(op="output")))
+    grads = list(output.args[0])
+    for i, g in enumerate(grads):
+        if not isinstance(g, fx.Node):
+            continue
+        leaves = _grad_leaves(g)
+        reduced = [leaf for leaf in leaves if is_op(leaf, "gather_grad")]
+        if not reduced:
+            continue
+        ids = {leaf.args[1] for leaf in reduced}
+        if len(reduced) != len(leaves) or len(ids) != 1:
+            raise ZrsError(
+                f"backward graph {graph_id}: gradient output {i} mixes zrs parameter gradients "
+                f"{sorted(ids)} with other terms; this is a zero3 pass bug, please report it"
+            )
+        fulls = sorted(leaf.args[0] for leaf in reduced)
+        if len(fulls) == 1:  # a sum of several terms stays in the wide dtype
+            fulls = [_before_upcast(fulls[0])]
+        with graph.inserting_before(fulls[-1].next):  # keeps the inserted nodes in order
+            total = fulls[0]
+            for f in fulls[1:]:
+                total = graph.call_function(torch.ops.aten.add.Tensor, (total, f))
+                total.meta["val"] = val(f)
+            graph.call_function(OPS.reduce_grad.default, (total, graph_id, ids.pop()))
+        grads[i] = None
+    output.args = (tuple(grads),)
+    visible = output.meta.get("user_visible_output_idxs")
+    if visible is not None:  # inductor reads the strides of these outputs: None has none
+        output.meta["user_visible_output_idxs"] = [i for i in visible if grads[i] is not None]
+    with graph.inserting_before(output):
+        graph.call_function(OPS.end_backward.default, (graph_id,))
+
+
+def lower_zero3(graph: fx.Graph, graph_id: int, *, is_backward: bool) -> None:
+    for g in list(graph.find_nodes(op="call_function", target=OPS.gather.default)):
+        _lower_gather(graph, g, graph_id)
+    if is_backward:
+        _lower_grads(graph, graph_id)
+    graph.eliminate_dead_code()
+    leftover = graph.find_nodes(op="call_function", target=OPS.gather_grad.default)
+    if leftover:
+        raise ZrsError(
+            f"graph {graph_id}: {len(leftover)} parameter gradient(s) do not reach the graph "
+            "output; zrs cannot reduce them (please report this model)"
+        )
+    graph.lint()

@@ -1,1 +1,0 @@
-"""Graph passes of the compiled path, one per file, each `(graph, ...) -> graph`."""

@@ -1,0 +1,237 @@
+"""Gradients: packed into buckets, reduce-scattered (mean over the ranks), accumulated into each
+parameter's `.grad`; the bucket being filled and the reduce-scatters in flight live in the
+model's `StepState` (`zrs.runtime`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from zrs.runtime import gather, streams
+from zrs.runtime.collectives import reduce_scatter
+from zrs.runtime.state import ParamHandle, ZeroState, handles, names
+
+# Gradient buckets hold at most this many elements (per rank, all shards together); the
+# compiler plans each backward's buckets within it (passes/grad_buckets.py). 16M: about one
+# 1b-preset layer per bucket. Each reduce-scatter costs ~0.1-0.15 ms of CPU to issue (2xH200
+# profile); at 4M every large gradient of the 1b model was its own bucket, 115 reduce-scatters
+# per step. Memory: (world x 16M) x reduce dtype per bucket, at most MAX_IN_FLIGHT_REDUCES + 1
+# buckets alive.
+GRAD_BUCKET_NUMEL = 1 << 24
+# Reduce-scatters in flight at most: a bucket fills while the previous one is reduced (double
+# buffering); a third waits for the oldest, which bounds the gradient memory to a few buckets.
+MAX_IN_FLIGHT_REDUCES = 2
+
+
+@dataclass(eq=False)
+class Bucket:
+    """Gradients packed rank-major into `buf` (world, capacity): member i's shard for rank r sits
+    at buf[r, off_i : off_i + shard_i], so one reduce-scatter of buf leaves each rank its shards
+    side by side."""
+
+    state: ZeroState
+    buf: torch.Tensor
+    members: list[tuple[ParamHandle, int]] = field(default_factory=list)  # (handle, column)
+    used: int = 0  # columns filled
+
+
+@dataclass(eq=False)
+class Reduce:
+    work: dist.Work | None
+    out: torch.Tensor
+    members: list[tuple[ParamHandle, int]]
+    packed: torch.Tensor  # the bucket, kept alive until the reduce-scatter has read it
+    done: torch.cuda.Event | None = None  # on the reduce stream: the reduce-scatter finished
+    graph: int = field(init=False)  # the graph that issued it (error messages)
+
+    def __post_init__(self) -> None:
+        self.graph = self.state.step.graph
+
+    @property
+    def state(self) -> ZeroState:
+        return self.members[0][0].state
+
+    def describe(self) -> str:
+        hs = [h for h, _ in self.members]
+        return f"the gradient reduce-scatter of {names(hs)} in {self.state.graph_label(self.graph)}"
+
+
+def reduce_scatter_full(h: ParamHandle, grad: torch.Tensor) -> torch.Tensor:
+    """Synchronous reduce-scatter of one full gradient into this rank's shard (mean over ranks)."""
+    state = h.state
+    packed = torch.empty(
+        state.world_size, h.shard_numel, dtype=state.reduce_dtype, device=grad.device
+    )
+    torch.ops.zrs.pack_grads(
+        [grad], state.world_size, [h.shard_numel], 1.0 / state.world_size, packed
+    )
+    if not h.shape:
+        _replicate_scalar(packed)
+    out = torch.empty(h.shard_numel, dtype=state.reduce_dtype, device=grad.device)
+    work = reduce_scatter(out, packed.view(-1), state.reduce_group, async_op=True)
+    state.wait(work, lambda: f"the gradient reduce-scatter of `{h.name}`")
+    return out.to(h.shard.dtype)
+
+
+def move_eager_grad(h: ParamHandle) -> None:
+    """Autograd accumulated a gradient into the flat shard (a gather run eagerly, outside a
+    compiled graph): it belongs to the parameter."""
+    grad, h.shard.grad = h.shard.grad, None
+    if grad is not None:
+        accumulate_grad(h, grad)
+
+
+def reduce_grads(
+    graph_id: int, grads: list[torch.Tensor], ds_ids: list[int], bucket_numels: list[int]
+) -> None:
+    """Pack gradients into their buckets, one kernel per run that fits in a bucket; reduce-scatter
+    each bucket once full. `bucket_numels[i]`: the per-rank size of the bucket the compiler planned
+    for gradient i (passes/grad_buckets.py), 0 if unplanned (the bucket then holds up to
+    GRAD_BUCKET_NUMEL)."""
+    hs = handles(ds_ids)
+    i = 0
+    while i < len(hs):
+        state = hs[i].state
+        st = state.step
+        st.graph = graph_id
+        bucket = st.bucket
+        if bucket is not None and bucket.used + hs[i].shard_numel > bucket.buf.size(1):
+            _flush(state)
+            bucket = None
+        if bucket is None:
+            cap = max(bucket_numels[i] or GRAD_BUCKET_NUMEL, hs[i].shard_numel)
+            buf = torch.empty(
+                state.world_size, cap, dtype=state.reduce_dtype, device=grads[i].device
+            )
+            bucket = st.bucket = Bucket(state, buf)
+        start, end = bucket.used, i
+        scalars = []  # columns of 0-d parameters
+        while end < len(hs) and hs[end].state is state:
+            if bucket.used + hs[end].shard_numel > bucket.buf.size(1):
+                break
+            bucket.members.append((hs[end], bucket.used))
+            if not hs[end].shape:
+                scalars.append(bucket.used)
+            bucket.used += hs[end].shard_numel
+            end += 1
+        # Pack now (pre-divided, cast, zero padding): once this op returns, the compiled graph may
+        # reuse the gradients' memory.
+        cols = bucket.buf.narrow(1, start, bucket.used - start)
+        torch.ops.zrs.pack_grads(
+            grads[i:end],
+            state.world_size,
+            [h.shard_numel for h in hs[i:end]],
+            1.0 / state.world_size,
+            cols,
+        )
+        for col in scalars:
+            _replicate_scalar(bucket.buf.narrow(1, col, 1))
+        _queue_final_callback(state)
+        if bucket.used == bucket.buf.size(1):
+            _flush(state)
+        i = end
+
+
+def _replicate_scalar(column: torch.Tensor) -> None:
+    """A 0-d parameter is replicated (sharding.py): its packed gradient goes to every rank's
+    block, not to rank 0's alone, so that the reduce-scatter leaves each rank the mean."""
+    column.copy_(column[:1].expand_as(column))
+
+
+def _flush(state: ZeroState) -> None:
+    """Reduce-scatter the bucket being filled."""
+    st = state.step
+    bucket, st.bucket = st.bucket, None
+    assert bucket is not None
+    while len(st.reducing) >= MAX_IN_FLIGHT_REDUCES:
+        _complete(st.reducing.pop(0))
+    packed = bucket.buf
+    if bucket.used < packed.size(1):
+        # Partly filled (unplanned gradients, or a plan the calls did not follow): the rows are
+        # strided and the collective needs them packed, a copy of the whole bucket.
+        packed = packed.narrow(1, 0, bucket.used).contiguous()
+    if state.world_size == 1:  # one rank: the packed bucket is the reduced gradient
+        st.reducing.append(Reduce(None, packed.view(-1), bucket.members, packed))
+        return
+    out = torch.empty(bucket.used, dtype=state.reduce_dtype, device=packed.device)
+    side = state.reduce_stream
+    if side is None:
+        work = reduce_scatter(out, packed.view(-1), state.reduce_group, async_op=True)
+        st.reducing.append(Reduce(work, out, bucket.members, packed))
+        return
+    with streams.running_on(side) as done:
+        reduce_scatter(out, packed.view(-1), state.reduce_group, async_op=False)
+    st.reducing.append(Reduce(None, out, bucket.members, packed, done[0]))
+
+
+def _complete(r: Reduce) -> None:
+    """Wait for one reduce-scatter and accumulate its shards into the parameters' `.grad`."""
+    streams.wait_for(r.done)
+    r.state.wait(r.work, r.describe)
+    # The members sit back to back from column 0, and the output holds exactly them.
+    grads = r.out.split_with_sizes([h.shard_numel for h, _ in r.members])
+    for (h, _), g in zip(r.members, grads, strict=True):
+        accumulate_grad(h, g)
+
+
+def accumulate_grad(h: ParamHandle, flat: torch.Tensor) -> None:
+    """Add this rank's reduced gradient shard (flat, padded) to the parameter's `.grad`, then run
+    the parameter's post-accumulate-grad hooks: its gradient for this backward is complete."""
+    param = h.param
+    local = flat if h.local_numel == h.shard_numel else flat.narrow(0, 0, h.local_numel)
+    local = local.view(h.local_shape)
+    if param.grad is None:
+        # The reduce-scatter's output is the gradient: the .grad are views into it (no copy; the
+        # output lives as long as any of its gradients).
+        if local.dtype != param.dtype:
+            local = local.to(param.dtype)
+        param.grad = local if h.spec is None else DTensor(local, h.spec, requires_grad=False)
+    else:
+        grad = param.grad
+        # accumulation across micro-batches (add_ casts)
+        (grad._local_tensor if isinstance(grad, DTensor) else grad).add_(local)
+    hooks = param._post_accumulate_grad_hooks
+    if hooks:
+        for hook in tuple(hooks.values()):
+            hook(param)
+
+
+def finish_grads(state: ZeroState) -> None:
+    """Reduce the last bucket, wait for every reduce-scatter and accumulate into the `.grad`s:
+    this backward is over."""
+    st = state.step
+    st.finish_task = -1
+    if st.bucket is not None:
+        _flush(state)
+    while st.reducing:
+        _complete(st.reducing.pop(0))
+    gather.drop_kept(state)
+    state.backwards += 1
+
+
+def _queue_final_callback(state: ZeroState) -> None:
+    """Make sure the buckets are drained when autograd finishes this backward pass."""
+    task = torch._C._current_graph_task_id()
+    if task == -1 or state.step.finish_task == task:
+        return  # not inside a backward (a direct call: end_backward finishes), or queued
+    torch.autograd.Variable._execution_engine.queue_callback(lambda: finish_grads(state))
+    state.step.finish_task = task
+
+
+def end_backward(states: list[ZeroState]) -> None:
+    """A backward graph ended: issue the partly filled buckets; finish now unless autograd's
+    final callback will."""
+    task = torch._C._current_graph_task_id()
+    for state in states:
+        st = state.step
+        if st.bucket is None and not st.reducing:
+            continue
+        if st.finish_task != -1 and st.finish_task == task:
+            if st.bucket is not None:
+                _flush(state)
+        else:
+            finish_grads(state)

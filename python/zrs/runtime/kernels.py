@@ -1,0 +1,339 @@
+"""Copy kernels behind the zrs copy ops: cast+pack (copy-in), rank-major unpack (copy-out) and
+gradient pack (pre-divide, cast, zero padding).
+
+The schemas live in `zrs.ops` (`COPY_SCHEMAS`). This module gives every op two implementations:
+
+- a torch implementation (plain tensor ops), registered on CompositeExplicitAutograd, so it serves
+  CPU tensors, and CUDA tensors whenever the CUDA kernels are not loaded;
+- the CUDA kernels in `cuda/zrs_kernels.cu`, which register themselves on the ops' CUDA dispatch
+  key when the extension loads. It is built with `torch.utils.cpp_extension` (JIT, cached in the
+  torch extensions directory) the first time a CUDA tensor reaches one of the ops, or ahead of time
+  with `python -m zrs.runtime.kernels --build`.
+
+If the build fails (no nvcc, no ninja, no CUDA), the torch implementation stays in charge and one
+warning says why. `ZRS_NO_CUDA_KERNELS=1` skips the kernels without a warning. CPU tensors never
+trigger a build.
+
+The torch implementations are also the reference the CUDA kernels are tested against: they compute
+in float32 (float64 if either side is float64), apply the scale there, and cast once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+EXT_NAME = "zrs_kernels"
+SOURCE = "zrs_kernels.cu"
+OPS = ("pack_cast", "unpack_rank_major", "pack_grads")
+_DISABLE_ENV = "ZRS_NO_CUDA_KERNELS"
+_SRC_ENV = "ZRS_CUDA_SRC"
+
+_lock = threading.Lock()
+_status = "unloaded"  # "unloaded" | "loaded" | "failed" | "disabled"
+_reason = ""
+_warned = False
+_builder: threading.Thread | None = None  # build_in_background()'s thread, until load() joins it
+
+
+class KernelBuildWarning(UserWarning):
+    """The CUDA copy kernels could not be built or loaded; the torch fallback is used."""
+
+
+# --- finding, building and loading the extension ------------------------------------------------
+
+
+def source_dir() -> Path:
+    """The folder that holds `zrs_kernels.cu`.
+
+    Looked up in `$ZRS_CUDA_SRC`, then `cuda/` beside the installed package (a wheel that ships
+    it), then the source checkout's `cuda/` (editable installs).
+    """
+    here = Path(__file__).resolve().parent
+    candidates = []
+    if os.environ.get(_SRC_ENV):
+        candidates.append(Path(os.environ[_SRC_ENV]))
+    candidates += [here / "cuda", here.parent / "cuda", here.parents[1] / "cuda"]
+    for c in candidates:
+        if (c / SOURCE).is_file():
+            return c
+    raise FileNotFoundError(
+        f"{SOURCE} not found in {', '.join(str(c) for c in candidates)}; "
+        f"set {_SRC_ENV} to the repository's cuda/ folder"
+    )
+
+
+def build(verbose: bool = False) -> str:
+    """Build (or find in the cache) and load the extension; return the library's path.
+
+    Raises on any failure. Loading registers the kernels on the zrs ops' CUDA key.
+    """
+    from torch.utils import cpp_extension
+
+    src = source_dir() / SOURCE
+    flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+    path = cpp_extension.load(
+        name=EXT_NAME,
+        sources=[str(src)],
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=flags,
+        is_python_module=False,
+        verbose=verbose,
+    )
+    missing = [op for op in OPS if not _has_cuda_kernel(op)]
+    if missing:
+        raise RuntimeError(f"{path} loaded but registered no CUDA kernel for {missing}")
+    return str(path)
+
+
+def _has_cuda_kernel(op: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"zrs::{op}", "CUDA")
+
+
+def _attempt() -> None:
+    """Build and load once, recording the outcome in `_status`/`_reason`. Warns nothing: it may
+    run on the background builder thread, and `load()` warns in the caller's thread."""
+    global _status, _reason
+    if os.environ.get(_DISABLE_ENV, "") not in ("", "0"):
+        _status, _reason = "disabled", f"{_DISABLE_ENV} is set"
+    elif not torch.cuda.is_available() or torch.version.cuda is None:
+        _status, _reason = "failed", "CUDA is not available"
+    else:
+        try:
+            build()
+            _status = "loaded"
+        except Exception as e:  # any failure means: fall back, and say so once
+            _status, _reason = "failed", f"{type(e).__name__}: {e}"
+
+
+def build_in_background() -> None:
+    """Start building (or loading from the cache) on a thread, so that nvcc's ~20 s overlap
+    torch.compile's tracing of the model instead of adding to the first step; `load()` waits
+    for it. `zrs.compile` calls this for CUDA models."""
+    global _builder
+    with _lock:
+        if _status != "unloaded" or _builder is not None:
+            return
+        _builder = threading.Thread(target=_attempt, name="zrs-kernel-build", daemon=True)
+        _builder.start()
+
+
+def load() -> bool:
+    """Load the CUDA kernels once per process (building them if needed); True when loaded.
+
+    Never builds without CUDA. On failure, warns once and returns False from then on.
+    """
+    global _builder, _warned
+    if _status == "loaded":
+        return True
+    with _lock:
+        if _builder is not None:
+            _builder.join()
+            _builder = None
+        elif _status == "unloaded":
+            _attempt()
+        if _status == "failed" and not _warned and torch.cuda.is_available():
+            _warned = True
+            warnings.warn(
+                "zrs: the CUDA copy kernels could not be built or loaded, so packing and "
+                f"unpacking fall back to slower torch ops. Reason: {_reason.strip()[:2000]}. "
+                "To fix: install nvcc matching torch's CUDA "
+                f"{torch.version.cuda} (set CUDA_HOME) and ninja, then run "
+                f"`python -m zrs.runtime.kernels --build`; set {_DISABLE_ENV}=1 to use the torch ops "
+                "without this warning.",
+                KernelBuildWarning,
+                stacklevel=3,
+            )
+        return _status == "loaded"
+
+
+def status() -> tuple[str, str]:
+    """("unloaded" | "loaded" | "failed" | "disabled", the reason when not loaded)."""
+    return _status, _reason
+
+
+# --- torch implementations (CPU, and the CUDA fallback) -----------------------------------------
+
+
+def _acc(*dtypes: torch.dtype) -> torch.dtype:
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise RuntimeError(msg)
+
+
+def pack_cast_torch(shards: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    _check(out.is_contiguous(), "zrs::pack_cast: out must be contiguous")
+    total = sum(s.numel() for s in shards)
+    _check(
+        total <= out.numel(),
+        f"zrs::pack_cast: the shards hold {total} elements but out has only {out.numel()}",
+    )
+    flat = out.view(-1)
+    off = 0
+    for s in shards:
+        n = s.numel()
+        flat.narrow(0, off, n).copy_(s.reshape(-1))
+        off += n
+
+
+def unpack_rank_major_torch(
+    recv: torch.Tensor,
+    world: int,
+    offsets: Sequence[int],
+    numels: Sequence[int],
+    outs: Sequence[torch.Tensor],
+) -> None:
+    _check(world >= 1, f"zrs::unpack_rank_major: world must be >= 1, got {world}")
+    _check(
+        len(offsets) == len(numels) == len(outs),
+        "zrs::unpack_rank_major: offsets, numels and outs differ in length "
+        f"({len(offsets)}, {len(numels)}, {len(outs)})",
+    )
+    _check(recv.is_contiguous(), "zrs::unpack_rank_major: recv must be contiguous")
+    _check(
+        recv.numel() % world == 0,
+        f"zrs::unpack_rank_major: recv holds {recv.numel()} elements, "
+        f"not a multiple of world {world}",
+    )
+    block = recv.numel() // world
+    blocks = recv.view(world, block)
+    for i, (off, n, o) in enumerate(zip(offsets, numels, outs, strict=True)):
+        _check(
+            off >= 0 and n >= 0 and off + n <= block,
+            f"zrs::unpack_rank_major: member {i} (offset {off}, numel {n}) lies outside the "
+            f"rank block of {block} elements",
+        )
+        _check(o.is_contiguous(), f"zrs::unpack_rank_major: outs[{i}] must be contiguous")
+        _check(
+            o.numel() >= world * n,
+            f"zrs::unpack_rank_major: outs[{i}] has {o.numel()} elements, needs {world * n}",
+        )
+        o.view(-1).narrow(0, 0, world * n).view(world, n).copy_(blocks.narrow(1, off, n))
+
+
+def pack_grads_torch(
+    grads: Sequence[torch.Tensor],
+    world: int,
+    shards: Sequence[int],
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    _check(world >= 1, f"zrs::pack_grads: world must be >= 1, got {world}")
+    _check(
+        len(shards) == len(grads),
+        f"zrs::pack_grads: {len(grads)} gradients but {len(shards)} shard sizes",
+    )
+    for i, (g, shard) in enumerate(zip(grads, shards, strict=True)):
+        _check(
+            shard >= 0 and shard * world >= g.numel(),
+            f"zrs::pack_grads: gradient {i} has {g.numel()} elements, more than {world} shards "
+            f"of {shard}",
+        )
+    _check(
+        out.dim() == 2 and out.size(0) == world,
+        f"zrs::pack_grads: out must have shape (world, block) = ({world}, ...), "
+        f"got {tuple(out.shape)}",
+    )
+    _check(
+        out.size(1) <= 1 or out.stride(1) == 1,
+        "zrs::pack_grads: out's rows must be contiguous (stride(1) == 1)",
+    )
+    _check(
+        sum(shards) <= out.size(1),
+        f"zrs::pack_grads: the gradients need {sum(shards)} elements per rank but out's rows "
+        f"hold {out.size(1)}",
+    )
+    off = 0
+    for g, shard in zip(grads, shards, strict=True):
+        n = g.numel()
+        flat = torch.zeros(world * shard, dtype=_acc(g.dtype, out.dtype), device=g.device)
+        flat[:n].copy_(g.reshape(-1))
+        if scale != 1.0:
+            flat.mul_(scale)
+        out.narrow(1, off, shard).copy_(flat.view(world, shard))
+        off += shard
+
+
+# --- op implementations -------------------------------------------------------------------------
+# Registered on CompositeExplicitAutograd. A backend kernel (the CUDA one, once loaded) takes
+# precedence, so after the first CUDA call these only ever see CPU tensors or the fallback case.
+
+
+def _pack_cast(shards, out):
+    if out.is_cuda and load():
+        return torch.ops.zrs.pack_cast.default(shards, out)
+    pack_cast_torch(shards, out)
+
+
+def _unpack_rank_major(recv, world, offsets, numels, outs):
+    if recv.is_cuda and load():
+        return torch.ops.zrs.unpack_rank_major.default(recv, world, offsets, numels, outs)
+    unpack_rank_major_torch(recv, world, offsets, numels, outs)
+
+
+def _pack_grads(grads, world, shards, scale, out):
+    if out.is_cuda and load():
+        return torch.ops.zrs.pack_grads.default(grads, world, shards, scale, out)
+    pack_grads_torch(grads, world, shards, scale, out)
+
+
+def _fake_none(*args, **kwargs):
+    return None
+
+
+def register(lib: torch.library.Library, outside_dynamo: Callable[[Callable], Callable]) -> None:
+    """Register the torch implementations and the fakes of the copy ops on `lib` (zrs.ops), each
+    wrapped by `outside_dynamo` (zrs.ops: dynamo's frame hook off while it runs)."""
+    impls = {
+        "pack_cast": _pack_cast,
+        "unpack_rank_major": _unpack_rank_major,
+        "pack_grads": _pack_grads,
+    }
+    for name, fn in impls.items():
+        # Keep dynamo out of these when they run eagerly inside a compiled region's frame.
+        lib.impl(name, outside_dynamo(fn), "CompositeExplicitAutograd")
+        torch.library.register_fake(f"zrs::{name}", _fake_none, lib=lib)
+
+
+# --- command line: prebuild -----------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m zrs.runtime.kernels",
+        description="Build and check the zrs CUDA copy kernels.",
+    )
+    p.add_argument("--build", action="store_true", help="build (or find cached) and load them")
+    p.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    args = p.parse_args(argv)
+    if not args.build:
+        p.print_help()
+        return 0
+    import zrs.runtime.kernels as k  # the package's copy of this module, not __main__'s
+
+    t0 = time.perf_counter()
+    try:
+        import zrs  # noqa: F401  (defines the ops the kernels register on)
+
+        path = k.build(verbose=args.verbose)
+        k._status = "loaded"
+    except Exception as e:
+        print(f"zrs kernels: build failed after {time.perf_counter() - t0:.1f} s: {e}")
+        return 1
+    print(f"zrs kernels: {path} ready in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

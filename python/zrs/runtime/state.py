@@ -1,0 +1,409 @@
+"""Runtime state behind the zrs ops: parameter handles, gathered buffers, gradient buckets.
+
+The Rust registry (`zrs._core.Registry`) decides *whether* a collective is needed and when a buffer
+may be freed; this module owns the tensors and talks to torch.distributed. Every op in
+`zrs.ops` resolves its `ds_id` here. Everything one step holds between the ops lives in the
+model's `StepState` (`ZeroState.step`), which a step that stops part-way is reset as a unit from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import itertools
+import logging
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from zrs._core import Registry, ZrsError
+from zrs.runtime import streams
+from zrs.runtime.exchange import Peers, all_gather_ints
+
+if TYPE_CHECKING:  # the step's contents are defined by the modules that fill them
+    from zrs.runtime.gather import Flat, InFlight
+    from zrs.runtime.grads import Bucket, Reduce
+
+_log = logging.getLogger("zrs")
+
+# What the ranks compare before each forward (`ZeroState.begin_forward`), in this order.
+STEP_COUNTERS = ("forward calls", "finished backwards", "optimizer steps", "training", "grad")
+
+
+@dataclass(eq=False)
+class StepState:
+    """What a step of one compiled model holds between the zrs ops: the gathered buffers, the
+    collectives in flight, the copies a forward kept for its backward, the gradient buckets. A
+    step that stops part-way (an exception in its forward or backward) leaves some of it behind;
+    `ZeroState.recover` waits for what is in flight and replaces the whole object."""
+
+    buffers: dict[int, torch.Tensor] = field(default_factory=dict)  # ds_id -> gathered, padded
+    shaped: dict[int, torch.Tensor] = field(default_factory=dict)  # ds_id -> its shaped view
+    in_flight: dict[int, InFlight] = field(default_factory=dict)  # ds_id -> its collective
+    prefetched: set[int] = field(default_factory=set)  # gathered by a prefetch, not yet claimed
+    flat_of: dict[int, Flat] = field(default_factory=dict)  # ds_id -> its fused group's buffer
+    # ds_id -> the shard's version counter when a forward kept the gathered copy (keep.py)
+    kept: dict[int, int] = field(default_factory=dict)
+    bucket: Bucket | None = None  # the gradient bucket being filled
+    reducing: list[Reduce] = field(default_factory=list)  # issued reduce-scatters, oldest first
+    # The autograd graph task whose final callback finishes the gradients (-1: none queued). A
+    # task id, not a flag: a backward that raised never runs its callback.
+    finish_task: int = -1
+    graph: int = -1  # the graph whose op ran last (for error messages)
+
+    def busy(self) -> bool:
+        """True if it holds more than kept copies: only a step that stopped part-way does."""
+        held = len(self.buffers) > len(self.kept)
+        return held or bool(self.in_flight or self.prefetched or self.bucket or self.reducing)
+
+
+@dataclass(eq=False)
+class ZeroState:
+    """One `zrs.compile` call: the process groups, the registry, the precision settings and the
+    state of the running step."""
+
+    group: dist.ProcessGroup | None
+    world_size: int
+    rank: int
+    device: torch.device
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype
+    registry: Registry
+    # Resize a released buffer's storage to 0 (the eager backend, whose FX code keeps every
+    # intermediate alive until the graph returns). Inductor frees its buffers at their last use
+    # itself and may *reuse* a dead gathered buffer as the output of a later kernel (seen on CUDA:
+    # a weight-gradient mm wrote into the gathered weight's buffer), so there the release only
+    # drops the runtime's reference.
+    free_on_release: bool = True
+    # How long any collective or meeting of this model waits for a peer.
+    timeout: datetime.timedelta = datetime.timedelta(minutes=30)
+    # The parameter all-gathers' communicator: `group`, or one over its ranks with `timeout`.
+    gather_group: dist.ProcessGroup | None = None
+    # The gradient reduce-scatters' own communicator over the same ranks (`new_group_like`).
+    reduce_group: dist.ProcessGroup | None = None
+    # A gloo group over the ranks for the small host-side exchanges: the rank checks, the
+    # profile's agreement, the step check before each forward.
+    control_group: dist.ProcessGroup | None = None
+    handles: list[ParamHandle] = field(default_factory=list)
+    # id(shard) -> ds_id: traced gathers name their parameter by its shard (passes/regions.py)
+    ds_ids: dict[int, int] = field(default_factory=dict)
+    graph_ids: itertools.count = field(default_factory=itertools.count)
+    # Schedule pass (passes.schedule): "search", "greedy" or "none"; budget in bytes or None;
+    # directory for per-graph Chrome traces and memory plots, or None.
+    scheduler: str = "search"
+    memory_budget: int | None = None
+    trace_dir: str | None = None
+    # Measure compute and collective times for the planner (zrs.profile); the fitted collective
+    # cost model is measured once, at the first graph compile.
+    profile: bool = True
+    # Training forwards keep their last-used gathered parameters for the backward (passes/keep.py).
+    keep_for_backward: bool = True
+    cost_model: dict | None = None
+    cost_measured: bool = False
+    # Wall seconds of zrs's own compile work, summed over graphs (compiler): "lower", "profile",
+    # "plan", "keep", "buckets", "coalesce" and the collective "sweep"; dynamo and inductor take
+    # the rest.
+    compile_s: dict[str, float] = field(default_factory=dict)
+    # Where the ranks meet outside the collectives (None for one rank).
+    peers: Peers | None = None
+    # The side streams of the all-gathers and the reduce-scatters (`streams`), None when the
+    # collectives run on the compute stream.
+    gather_stream: torch.cuda.Stream | None = field(init=False)
+    reduce_stream: torch.cuda.Stream | None = field(init=False)
+    # The parameters' DTensor mesh over `group` (None without torch.distributed: then each
+    # parameter is the whole tensor).
+    mesh: DeviceMesh | None = field(init=False)
+    # A gloo group over `group`'s ranks for asynchronous checkpoint saves (zrs.checkpoint).
+    checkpoint_group: dist.ProcessGroup | None = None
+    step: StepState = field(default_factory=StepState)
+    # What the ranks compare before each forward (STEP_COUNTERS).
+    forwards: int = 0
+    backwards: int = 0
+    optimizer_steps: int = 0
+    # Why this model can no longer run: a collective failed or the ranks disagreed. Set once.
+    broken: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.gather_group is None:
+            self.gather_group = self.group
+        if self.reduce_group is None:
+            self.reduce_group = self.gather_group
+        self.gather_stream = streams.side_stream(self.device, "gather")
+        self.reduce_stream = streams.side_stream(self.device, "reduce")
+        self.mesh = (
+            DeviceMesh.from_group(self.group, self.device.type) if self.group is not None else None
+        )
+        LIVE.add(self)
+
+    # --- failures ---------------------------------------------------------------------------
+
+    def wait(self, work: dist.Work | None, what: Callable[[], str]) -> None:
+        """Wait for a collective; if it fails (a peer stalled past the timeout, died, raised, or
+        compiled a graph alone), raise a ZrsError naming `what()` and, where a peer left one,
+        its reason; the model is unusable from then on."""
+        if work is None:
+            return
+        try:
+            work.wait()
+        except Exception as exc:
+            raise self.failed(what(), exc) from exc
+
+    def failed(self, what: str, exc: BaseException) -> ZrsError:
+        """The ZrsError for a failed collective or meeting; marks the model broken."""
+        why = self.peers.explain() if self.peers is not None else None
+        if why is None:
+            cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            why = (
+                f"a peer stalled past the timeout ({self.timeout.total_seconds():g} s), died, "
+                f"or stopped issuing this model's collectives ({cause})"
+            )
+        message = f"rank {self.rank}: {what} failed: {why}"
+        if self.broken is None:
+            self.broken = (
+                f"{message}. The ranks can no longer be trusted to agree: restart the job, from "
+                "the last checkpoint"
+            )
+            if self.peers is not None:
+                self.peers.note(message)
+        return ZrsError(message)
+
+    @contextlib.contextmanager
+    def exchanging(self, what: str) -> Iterator[None]:
+        """Turn a failed exchange or meeting in the block into the ZrsError of `failed`."""
+        try:
+            yield
+        except ZrsError as exc:
+            if self.broken is None:
+                self.broken = str(exc)
+            raise
+        except (RuntimeError, dist.DistError) as exc:
+            raise self.failed(what, exc) from exc
+
+    def check_usable(self) -> None:
+        if self.broken is not None:
+            raise ZrsError(self.broken)
+
+    def graph_label(self, graph: int) -> str:
+        """`graph` (-1: none known) and the phase running now, for an error message."""
+        phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        return f"graph {graph} ({phase})" if graph >= 0 else phase
+
+    # --- steps ------------------------------------------------------------------------------
+
+    def begin_forward(self, training: bool) -> None:
+        """Start a call of the compiled model: refuse a broken model, clean up after a step that
+        stopped part-way, and check that every rank is at the same call (STEP_COUNTERS)."""
+        self.check_usable()
+        if torch._C._current_graph_task_id() != -1:
+            return  # a recompute inside the backward (activation checkpointing): mid-step
+        if self.step.busy():
+            self.recover(
+                "the previous step stopped part-way (an exception in its forward or backward)"
+            )
+        self.forwards += 1
+        self.step.graph = -1
+        if self.control_group is None:
+            return
+        mine = [
+            self.forwards,
+            self.backwards,
+            self.optimizer_steps,
+            training,
+            torch.is_grad_enabled(),
+        ]
+        try:
+            everyone = all_gather_ints([int(v) for v in mine], self.control_group)
+        except Exception as exc:
+            raise self.failed(f"the step check before forward call {self.forwards}", exc) from exc
+        if all(row == everyone[0] for row in everyone):
+            return
+        self._disagree(everyone)
+
+    def _disagree(self, everyone: list[list[int]]) -> None:
+        differ = [n for c, n in enumerate(STEP_COUNTERS) if len({row[c] for row in everyone}) > 1]
+        table = "; ".join(
+            f"rank {r}: " + ", ".join(f"{v} {n}" for v, n in zip(row, STEP_COUNTERS, strict=True))
+            for r, row in enumerate(everyone)
+        )
+        message = (
+            f"the ranks disagree before forward call {self.forwards} on the {' and '.join(differ)} "
+            f"({table}): a rank ran a forward, a backward or an optimizer.step() that the others "
+            "did not (or one raised), or differs in model.train()/eval() or torch.no_grad(). "
+            "Every rank must run the same steps; this job cannot go on"
+        )
+        self.broken = message
+        raise ZrsError(message)
+
+    def abandon_step(self, exc: BaseException) -> None:
+        """The model's forward raised on this rank: wait for and drop what the step holds, and
+        leave the reason for the peers."""
+        if self.peers is not None and self.broken is None:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            self.peers.note(
+                f"rank {self.rank} raised {type(exc).__name__}({first!r}) in forward call "
+                f"{self.forwards}"
+            )
+        if self.broken is None and self.step.busy():
+            # A failure here marks the model broken (the next call says why); `exc` is this
+            # rank's own error, and it is what the caller sees.
+            with contextlib.suppress(ZrsError):
+                self.recover("the forward raised")
+
+    def recover(self, reason: str) -> None:
+        """Wait for the step's collectives in flight (the peers issued them too), then drop every
+        gathered buffer, kept copy and gradient bucket, and every hold in the registry."""
+        st, self.step = self.step, StepState()
+        flights = {id(f): f for f in st.in_flight.values()}.values()
+        try:
+            for flight in flights:
+                flight.complete()
+            for r in st.reducing:
+                streams.wait_for(r.done)
+                self.wait(r.work, lambda r=r: r.describe())
+        finally:
+            self.registry.drop_all_gathers()
+        _log.warning(
+            "zrs: %s: dropped %d gathered parameters and %d gradient buckets; gradients already "
+            "accumulated stay in .grad (zero them to skip the step)",
+            reason,
+            len(st.buffers),
+            len(st.reducing) + (st.bucket is not None),
+        )
+
+
+@dataclass(eq=False)
+class ParamHandle:
+    """What the ops need about one sharded parameter, keyed by its process-wide `ds_id`.
+
+    Two tensors share the shard's storage: `shard`, the flat, padded leaf that the gathers read
+    (the graphs' input), and `param`, the module's parameter that users and optimizers see: a
+    DTensor `Shard(0)` over the full shape whose local tensor is this rank's real rows (the whole
+    tensor, plain, without torch.distributed). Gradients land in `param.grad`."""
+
+    ds_id: int
+    slot: int  # its place in the model's registry
+    state: ZeroState
+    shard: torch.Tensor
+    param: nn.Parameter
+    shape: tuple[int, ...]
+    numel: int
+    padded_numel: int
+    shard_numel: int
+    local_numel: int  # this rank's real elements: the first of `shard`, the rest is padding
+    local_shape: tuple[int, ...]
+    spec: DTensorSpec | None  # the parameter's (and its gradient's) DTensor spec
+    name: str = ""  # its qualified name in the model, for error messages
+
+
+class Live:
+    """The process's index from the integers in the compiled graphs to the objects that own the
+    state: ds_id -> its ParamHandle, and the live models, for the optimizer hooks. It holds them
+    weakly and owns nothing (a model's ZeroState owns its handles): dropping a model frees it."""
+
+    def __init__(self) -> None:
+        self.handles: weakref.WeakValueDictionary[int, ParamHandle] = weakref.WeakValueDictionary()
+        self.states: weakref.WeakSet[ZeroState] = weakref.WeakSet()
+        # ds_ids are process-wide: every rank registers the same parameters in the same order.
+        self.ds_ids = itertools.count()
+        # zrs.compile calls, which name their store meetings: every rank counts alike.
+        self.compile_calls = itertools.count()
+        self.optimizer_hooks: list[object] = []
+
+    def add(self, state: ZeroState) -> None:
+        self.states.add(state)
+        if not self.optimizer_hooks:
+            # Before any torch.optim step free the kept copies (a step is where shards change,
+            # and one that writes through `.data` bumps no version counter, which
+            # `gather._claim_kept` checks); after it count the step for the models it trains.
+            self.optimizer_hooks = [
+                register_optimizer_step_pre_hook(self._before_optimizer_step),
+                register_optimizer_step_post_hook(self._after_optimizer_step),
+            ]
+
+    def models(self) -> list[ZeroState]:
+        return list(self.states)
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
+        from zrs.runtime.gather import drop_kept  # gather builds on this module
+
+        for state in self.models():
+            if state.step.kept:
+                drop_kept(state)
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
+        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for state in self.models():
+            if any(id(h.param) in ids for h in state.handles):
+                state.optimizer_steps += 1
+
+
+LIVE = Live()
+
+
+def add_handle(
+    state: ZeroState, shard: torch.Tensor, param: nn.Parameter, slot: int, name: str
+) -> ParamHandle:
+    info = state.registry.info(slot)
+    local = param.to_local() if isinstance(param, DTensor) else param
+    h = ParamHandle(
+        ds_id=next(LIVE.ds_ids),
+        slot=slot,
+        state=state,
+        shard=shard,
+        param=param,
+        shape=tuple(info.shape),
+        numel=info.numel,
+        padded_numel=info.padded_numel,
+        shard_numel=info.shard_numel,
+        local_numel=local.numel(),
+        local_shape=tuple(local.shape),
+        spec=param._spec if isinstance(param, DTensor) else None,
+        name=name,
+    )
+    LIVE.handles[h.ds_id] = h
+    state.handles.append(h)
+    state.ds_ids[id(shard)] = h.ds_id
+    return h
+
+
+def handles(ds_ids: list[int]) -> list[ParamHandle]:
+    try:
+        return [LIVE.handles[i] for i in ds_ids]
+    except KeyError:
+        return [handle(i) for i in ds_ids]  # raises for the unknown one
+
+
+def handle(ds_id: int) -> ParamHandle:
+    try:
+        return LIVE.handles[ds_id]
+    except KeyError:
+        raise ZrsError(
+            f"unknown parameter ds_id {ds_id}: no live model of this process registered it (was "
+            "the model dropped, or never passed to zrs.compile?); compile the model with "
+            "zrs.compile(model) before running it"
+        ) from None
+
+
+def names(hs: list[ParamHandle]) -> str:
+    """The parameters' names for an error message, the first few."""
+    shown = ", ".join(f"`{h.name or h.ds_id}`" for h in hs[:3])
+    return shown + (f" and {len(hs) - 3} more" if len(hs) > 3 else "")
+
+
+def reset() -> None:
+    """Forget every live model's step state at once, without waiting (tests)."""
+    for state in LIVE.models():
+        state.step = StepState()
+        state.registry.drop_all_gathers()

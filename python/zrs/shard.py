@@ -1,0 +1,261 @@
+"""Cut every parameter of a model into world-size shards and make module code gather at use.
+
+Each parameter becomes an fp32 DTensor (float64 in a float64 model: zrs.options) sharded by
+rows (`Shard(0)` over its full shape, FSDP2's convention), stored as the real `nn.Parameter` under
+the same name: optimizers, `state_dict()`, torch.distributed.checkpoint, `clip_grad_norm_` and
+GradScaler see what they see under FSDP2. Its local tensor is a view of this rank's flat, padded
+shard, which the gathers read. The owning module's class is swapped for a per-class subclass
+whose property of that name returns `torch.ops.zrs.gather(shard, ...)`: dynamo traces the gather
+like any op (SimpleFSDP's idea).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import operator
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from zrs import options, state_dict
+from zrs._core import ZrsError
+from zrs.compiler.regions import UNRESOLVED
+from zrs.runtime import grads
+from zrs.runtime import state as runtime
+from zrs.runtime.state import ParamHandle, ZeroState
+
+InitFn = Callable[[nn.Module], None]
+
+# (base class, sharded parameter names, is a repeated block) -> the class swapped in
+_SUBCLASSES: dict[tuple[type, frozenset[str], bool], type] = {}
+
+
+def _gathered(name: str) -> property:
+    def get(self: nn.Module) -> torch.Tensor:
+        ds_id, shape, dtype = self._zrs_params[name]
+        # Traced, the id stays out of the graph (the backend resolves it from the shard), so the
+        # layers of a repeated block trace to one shared body (passes/regions.py).
+        traced_id = UNRESOLVED if torch.compiler.is_compiling() else ds_id
+        full = torch.ops.zrs.gather(self._zrs_shards[name], traced_id, shape)
+        # A cast right after the gather is fused into it by the zero3 pass (gather in bf16).
+        return full if dtype is None else full.to(dtype)
+
+    return property(get, doc=f"`{name}` gathered from its shards (zrs)")
+
+
+def _guarded_register(base: type) -> Callable[..., None]:
+    def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        # Checked before nn.Module's own checks, whose hasattr() would run the gather property
+        # (a collective on one rank only).
+        if name in getattr(self, "_zrs_params", {}):
+            raise ZrsError(
+                f"cannot assign a new parameter to {type(self).__name__}.{name}: it is sharded by "
+                "zrs.compile, and replacing it would drop its shards. Set the weights before "
+                "zrs.compile, or update the shard in place through model.parameters()"
+            )
+        base.register_parameter(self, name, param)
+
+    return register_parameter
+
+
+def _install_properties(module: nn.Module, base: type, names: frozenset[str], block: bool) -> None:
+    key = (base, names, block)
+    if key not in _SUBCLASSES:
+        attrs: dict[str, Any] = {n: _gathered(n) for n in names}
+        attrs["_zrs_base_class"] = base
+        attrs["register_parameter"] = _guarded_register(base)
+        if block:
+            # dynamo traces every layer's call into one shared body, compiled once
+            attrs["forward"] = torch.compiler.nested_compile_region(_without_aliases(base.forward))
+        _SUBCLASSES[key] = type(f"Zrs{base.__name__}", (base,), attrs)
+    module.__class__ = _SUBCLASSES[key]
+
+
+def _without_aliases(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """`forward`, returning a copy of any input it returns as is (T5's layers pass their position
+    bias on): a compile region's outputs may not alias its inputs."""
+
+    @functools.wraps(forward)
+    def run(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+
+        def fresh(t: Any) -> Any:
+            return t.clone() if any(t is x for x in inputs) else t
+
+        return tree_map_only(torch.Tensor, fresh, forward(self, *args, **kwargs))
+
+    return run
+
+
+def drop_regions(model: nn.Module) -> bool:
+    """Turn the model's compile regions back into plain modules; False if it had none."""
+    dropped = False
+    for module in model.modules():
+        base = getattr(module, "_zrs_base_class", None)
+        key = (base, frozenset(getattr(module, "_zrs_params", {})), True)
+        if base is not None and _SUBCLASSES.get(key) is module.__class__:
+            _install_properties(module, base, key[1], block=False)
+            dropped = True
+    return dropped
+
+
+def _composes_layers(module: nn.Module) -> bool:
+    return any(True for child in module.children() for _ in child.parameters())
+
+
+def repeated_blocks(model: nn.Module) -> set[int]:
+    """ids of the modules that are layers of a stack: children of one nn.ModuleList or
+    nn.Sequential that share their class with a sibling and are blocks of parametrised modules
+    (a stack of nn.Linear gains nothing: each region would be one op). The outermost only: a
+    stack inside a layer of another stays part of that layer's body."""
+    blocks: set[int] = set()
+    inside: list[str] = []  # names of the blocks found so far (pre-order)
+    for name, module in model.named_modules():
+        if any(name.startswith(f"{b}.") for b in inside):
+            continue
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = [(n, c) for n, c in module.named_children() if _composes_layers(c)]
+        counts = Counter(type(c) for _, c in children)
+        for n, c in children:
+            if counts[type(c)] >= 2:
+                blocks.add(id(c))
+                inside.append(f"{name}.{n}" if name else n)
+    return blocks
+
+
+def check_devices(model: nn.Module) -> torch.device | None:
+    """The one device every parameter lives on, None if all are on meta; raises otherwise."""
+    params = list(model.parameters())
+    if not params:
+        raise ZrsError(
+            f"{type(model).__name__} has no parameters: there is nothing for zrs to shard; "
+            "pass the model that owns the parameters to zrs.compile"
+        )
+    if any(getattr(m, "_zrs_params", None) for m in model.modules()):
+        raise ZrsError("this model is already sharded by zrs.compile; compile it only once")
+    devices = {p.device for p in params if p.device.type != "meta"}
+    if len(devices) > 1:
+        names = ", ".join(sorted(str(d) for d in devices))
+        raise ZrsError(
+            f"parameters are on mixed devices ({names}); zrs shards a model that lives on one "
+            "device: move it first with model.to(device), or build it on the meta device"
+        )
+    return next(iter(devices)) if devices else None
+
+
+def _materialize(module: nn.Module, device: torch.device, init_fn: InitFn | None) -> None:
+    """Give one module's meta tensors real storage and initialise them (this module only).
+
+    Its real tensors (a pretrained weight beside a meta bias) keep their values and identity:
+    to_empty and the initialisation work on meta stand-ins for them, and the originals go back
+    afterwards (their identity ties them to the other modules that share them)."""
+    params = {n: p for n, p in module._parameters.items() if p is not None and not p.is_meta}
+    buffers = {n: b for n, b in module._buffers.items() if b is not None and not b.is_meta}
+    for n, p in params.items():
+        module._parameters[n] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+    for n, b in buffers.items():
+        module._buffers[n] = torch.empty_like(b, device="meta")
+    try:
+        module.to_empty(device=device, recurse=False)
+        if init_fn is not None:
+            init_fn(module)
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+        else:
+            raise ZrsError(
+                f"{type(module).__name__} was built on the meta device but has no "
+                "reset_parameters(); pass zrs.compile(model, init_fn=fn) where fn(module) "
+                "initialises one module's own parameters and buffers"
+            )
+    finally:
+        module._parameters.update(params)
+        module._buffers.update({n: b.to(device) for n, b in buffers.items()})
+
+
+def _source_rank(state: ZeroState) -> int:
+    return dist.get_global_rank(state.group, 0) if state.group is not None else 0
+
+
+def _shard_one(state: ZeroState, param: nn.Parameter, name: str) -> ParamHandle:
+    full = param.detach().to(state.device)
+    if state.group is not None:
+        # Every rank starts from rank 0's weights, whatever each rank's RNG did.
+        full = full.contiguous()
+        dist.broadcast(full, src=_source_rank(state), group=state.gather_group)
+    slot = state.registry.register(
+        list(param.shape), str(param.dtype).removeprefix("torch."), False, param.requires_grad
+    )
+    info = state.registry.info(slot)
+    dtype = options.shard_dtype(param.dtype)
+    flat = torch.zeros(info.padded_numel, dtype=dtype, device=state.device)
+    flat[: info.numel].copy_(full.reshape(-1))
+    # A 0-d parameter has no rows to cut: every rank holds it (a replicated DTensor), and its
+    # gradient reaches every rank (grads._replicate_scalar).
+    start = state.rank * info.shard_numel if param.dim() else 0
+    shard = flat[start : start + info.shard_numel].clone().requires_grad_(param.requires_grad)
+    rows = state.registry.local_rows(slot, state.rank)
+    local_shape = (rows, *param.shape[1:]) if param.dim() else ()
+    local = shard.detach().narrow(0, 0, rows * math.prod(param.shape[1:])).view(local_shape)
+    if state.mesh is not None:
+        strides = itertools.accumulate(reversed(param.shape[1:]), operator.mul, initial=1)
+        local = DTensor.from_local(
+            local,
+            state.mesh,
+            [Shard(0) if param.dim() else Replicate()],
+            run_check=False,
+            shape=param.shape,
+            stride=tuple(reversed(list(strides))) if param.dim() else (),
+        )
+    h = runtime.add_handle(state, shard, nn.Parameter(local, param.requires_grad), slot, name)
+    if param.requires_grad:
+        shard.register_post_accumulate_grad_hook(lambda _: grads.move_eager_grad(h))
+    return h
+
+
+def shard_model(
+    model: nn.Module, state: ZeroState, init_fn: InitFn | None = None, regions: bool = True
+) -> None:
+    """Replace every parameter of `model` by its local shard, module by module; with `regions`,
+    the layers of each stack become nested compile regions."""
+    done: dict[int, ParamHandle] = {}  # id(original parameter) -> handle: tied weights share one
+    blocks = repeated_blocks(model) if regions else set()
+    for prefix, module in model.named_modules():
+        own = dict(module._parameters)
+        if any(t is not None and t.is_meta for t in [*own.values(), *module._buffers.values()]):
+            originals = dict(own)
+            _materialize(module, state.device, init_fn)
+            # to_empty created new tensors; keep the identity of the originals for tying.
+            own = {n: (originals[n], module._parameters[n]) for n in own}
+        else:
+            own = {n: (p, p) for n, p in own.items()}
+            for n, b in module._buffers.items():
+                if b is not None and b.device != state.device:
+                    module._buffers[n] = b.to(state.device)
+        specs = {}
+        shards = {}
+        for name, (orig, value) in own.items():
+            if orig is None:
+                continue
+            h = done.get(id(orig))
+            if h is None:
+                h = done[id(orig)] = _shard_one(
+                    state, value, f"{prefix}.{name}" if prefix else name
+                )
+            module._parameters[name] = h.param
+            specs[name] = (h.ds_id, list(h.shape), state.param_dtype)
+            shards[name] = h.shard
+        if specs:
+            module._zrs_params = specs
+            module._zrs_shards = shards
+            state_dict.install_hooks(module)
+        if specs or id(module) in blocks:
+            _install_properties(module, module.__class__, frozenset(specs), id(module) in blocks)

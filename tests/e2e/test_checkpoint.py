@@ -1,0 +1,400 @@
+"""Checkpoints, state dicts, clipping and non-finite gradients on a zrs model, as users call them.
+
+Four groups of gloo workers run in order, each a fresh set of processes:
+
+* world 2 trains, saves (PyTorch's DCP recipe with SGD-momentum on inductor, `zrs.checkpoint`'s
+  async save with AdamW on eager), trains on uninterrupted, and checks the ordinary calls: clip,
+  GradScaler, hooks, full state dicts in and out, `save_pretrained`, bad checkpoints;
+* world 1 and world 3 load world 2's checkpoints (world 3 saves what it loaded);
+* world 2 resumes from its own checkpoints and loads world 3's.
+
+The tests then compare what the groups returned: resume is bit-exact, resharding keeps every
+value.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from _dist import cached_run
+from zoo import LR, MOMENTUM, spec_of
+
+pytestmark = pytest.mark.slow
+
+K = 2  # steps before the save, and after it
+# (model, zrs backend, optimizer, saved by): what world 2 saves
+RUNS = (
+    ("hf_gpt2", "inductor", "sgd", "dcp"),
+    ("hf_gpt2", "eager", "adamw", "zrs_async"),
+    ("scalar_param", "eager", "sgd", "zrs"),
+)
+
+
+def _name(run: tuple[str, ...]) -> str:
+    return "-".join(run)
+
+
+@functools.cache
+def _root() -> str:
+    root = tempfile.mkdtemp(prefix="zrs-ckpt-")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
+
+
+def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def _new(run: tuple[str, ...]) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
+    import zrs
+
+    spec = spec_of(run[0])
+    model = zrs.compile(spec.build(), backend=run[1])
+    return spec, model, _optimizer(run[2], model.parameters())
+
+
+def _train(spec: Any, model: Any, opt: torch.optim.Optimizer, rank: int, steps: range) -> None:
+    for step in steps:
+        opt.zero_grad(set_to_none=True)
+        spec.loss(model, spec.batch(rank, step)).backward()
+        opt.step()
+
+
+def _full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The model's and the optimizer's state as full CPU tensors, keyed by parameter name.
+
+    Gathered through zrs's own collectives: DTensor's redistribution runs gloo collectives
+    whose buffers a worker thread may free (one rank of the full suite died in free() inside
+    `get_optimizer_state_dict(full_state_dict=True)`; zrs.exchange says why zrs keeps its own
+    alive)."""
+    import zrs
+    from zrs.runtime import collectives
+    from zrs.runtime import state as runtime
+
+    handles = {id(h.param): h for h in model._zrs_state.handles}
+
+    def full(h: runtime.ParamHandle, value: torch.Tensor) -> torch.Tensor:
+        if not isinstance(value, DTensor):
+            return value.detach().cpu().clone()
+        flat = torch.zeros(h.shard_numel, dtype=value.dtype, device=value.device)
+        flat[: h.local_numel] = value.to_local().reshape(-1)
+        return collectives.gather_full(h, flat, None).clone()
+
+    optim = {
+        name: {k: full(handles[id(p)], v) for k, v in opt.state[p].items()}
+        for name, p in model.named_parameters()
+        if p in opt.state
+    }
+    return {"model": zrs.full_state_dict(model, cpu_offload=True), "optim": optim}
+
+
+def _save(run: tuple[str, ...], model: Any, opt: torch.optim.Optimizer, where: str) -> None:
+    import zrs
+
+    if run[3] == "dcp":  # PyTorch's recipe, as FSDP2 users write it
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=where)
+    elif run[3] == "zrs_async":
+        zrs.checkpoint.save(where, model, opt, extra={"step": K}, async_save=True).result()
+    else:
+        zrs.checkpoint.save(where, model, opt, extra={"step": K})
+
+
+def _load(run: tuple[str, ...], model: Any, opt: torch.optim.Optimizer, where: str) -> None:
+    import zrs
+
+    if run[3] == "dcp":
+        model_sd, optim_sd = get_state_dict(model, opt)
+        content = {"model": model_sd, "optim": optim_sd}
+        dcp.load(content, checkpoint_id=where)
+        set_state_dict(
+            model, opt, model_state_dict=content["model"], optim_state_dict=content["optim"]
+        )
+    else:
+        assert zrs.checkpoint.load(where, model, opt) == {"step": K}
+
+
+# --- world 2: train, save, go on; the ordinary calls -------------------------------------------
+
+
+def _first_group(rank: int, world: int, root: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for run in RUNS:
+        spec, model, opt = _new(run)
+        _train(spec, model, opt, rank, range(K))
+        _save(run, model, opt, os.path.join(root, _name(run)))
+        out[("saved", run)] = _full(model, opt)
+        _train(spec, model, opt, rank, range(K, 2 * K))
+        out[("uninterrupted", run)] = _full(model, opt)["model"]
+    out.update(_ordinary_calls(rank, root))
+    return out
+
+
+def _ordinary_calls(rank: int, root: str) -> dict[str, Any]:
+    import zrs
+
+    out: dict[str, Any] = {}
+    spec, model, opt = _new(("hf_gpt2", "eager", "sgd"))
+    calls: list[bool] = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: calls.append(p.grad is not None))
+    spec.loss(model, spec.batch(rank, 0)).backward()
+    out["hook_calls"] = (calls.count(True), calls.count(False), len(list(model.parameters())))
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)
+    out["norm"] = norm.full_tensor().item()
+    # One rank's inf: every rank's norm says so, and GradScaler skips the step on every rank.
+    first = next(p for p in model.parameters() if p.to_local().numel())
+    if rank == 0:
+        first.grad.to_local().view(-1)[0] = float("inf")
+    out["norm_finite"] = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).isfinite().item()
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    before = zrs.full_state_dict(model)
+    opt.zero_grad(set_to_none=True)
+    scaler.scale(spec.loss(model, spec.batch(rank, 1))).backward()
+    if rank == 0:
+        first.grad.to_local().view(-1)[0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    after = zrs.full_state_dict(model)
+    out["scaler"] = (scaler.get_scale(), all(torch.equal(before[k], after[k]) for k in before))
+    out.update(_full_state_dicts(rank, root, spec))
+    out.update(_bad_checkpoints(rank, root))
+    return out
+
+
+def _full_state_dicts(rank: int, root: str, spec: Any) -> dict[str, Any]:
+    import zrs
+
+    out: dict[str, Any] = {}
+    plain = spec.build()
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.mul_(-0.5)  # weights that differ from the model's own
+    full = plain.state_dict()
+    model = zrs.compile(spec.build(), backend="eager")
+    model.load_state_dict(full)  # before the first compiled step
+    out["loaded_before"] = _same(zrs.full_state_dict(model), full)
+    spec.loss(model, spec.batch(rank, 0)).backward()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    model.load_state_dict(full)  # after it
+    out["loaded_after"] = _same(zrs.full_state_dict(model), full)
+    spec.loss(model, spec.batch(rank, 1)).backward()
+    out["recompiled"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+    exported = zrs.full_state_dict(model, rank0_only=True, cpu_offload=True)
+    out["rank0_only"] = (len(exported), all(t.device.type == "cpu" for t in exported.values()))
+    if rank == 0:
+        where = os.path.join(root, "pretrained")
+        model.save_pretrained(where, state_dict=dict(exported))
+        loaded = type(model).from_pretrained(where)
+        out["pretrained"] = _same(loaded.state_dict(), full)
+    # The DDP habit: rank 0 saves its state_dict(), every rank loads it.
+    where = os.path.join(root, "rank0.pt")
+    if rank == 0:
+        torch.save(model.state_dict(), where)
+    dist.barrier()
+    try:
+        model.load_state_dict(torch.load(where, weights_only=False))
+        out["ddp_habit"] = None
+    except zrs.ZrsError as e:
+        out["ddp_habit"] = str(e)
+    return out
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k].cpu(), b[k].cpu()) for k in a)
+
+
+def _bad_checkpoints(rank: int, root: str) -> dict[str, Any]:
+    """Truncated, corrupt and mismatched checkpoints: a ZrsError, and nothing changed."""
+    import zrs
+
+    good = os.path.join(root, _name(RUNS[1]))
+    cases = {}
+    for kind in ("truncated", "corrupt"):
+        cases[kind] = os.path.join(root, kind)
+        if rank == 0:
+            shutil.copytree(good, cases[kind])
+            data = sorted(f for f in os.listdir(cases[kind]) if f.endswith(".distcp"))[-1]
+            with open(os.path.join(cases[kind], data), "r+b") as fh:
+                if kind == "truncated":
+                    fh.truncate(os.path.getsize(fh.name) // 2)
+                else:
+                    fh.write(b"\0" * 64)  # the first item's header
+    cases["mismatched"] = os.path.join(root, _name(RUNS[2]))  # scalar_param's
+    cases["missing"] = os.path.join(root, "never-saved")
+    dist.barrier()
+    out = {}
+    for kind, where in cases.items():
+        spec, model, opt = _new(RUNS[1])
+        _train(spec, model, opt, rank, range(1))
+        before = _full(model, opt)
+        try:
+            zrs.checkpoint.load(where, model, opt)
+            error = None
+        except zrs.ZrsError as e:
+            error = str(e)
+        after = _full(model, opt)
+        unchanged = _same(before["model"], after["model"]) and all(
+            _same(before["optim"][k], after["optim"][k]) for k in before["optim"]
+        )
+        out[("bad", kind)] = (error, unchanged)
+    return out
+
+
+# --- world 1 and 3: load world 2's checkpoints; world 2: resume -------------------------------
+
+
+def _load_group(rank: int, world: int, root: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for run in RUNS:
+        _, model, opt = _new(run)
+        _load(run, model, opt, os.path.join(root, _name(run)))
+        out[("loaded", run)] = _full(model, opt)
+        if world == 3 and run == RUNS[0]:
+            _save((*run[:3], "zrs"), model, opt, os.path.join(root, "from-w3"))
+    return out
+
+
+def _resume_group(rank: int, world: int, root: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for run in RUNS:
+        spec, model, opt = _new(run)
+        _load(run, model, opt, os.path.join(root, _name(run)))
+        _train(spec, model, opt, rank, range(K, 2 * K))
+        out[("resumed", run)] = _full(model, opt)["model"]
+    run = (*RUNS[0][:3], "zrs")
+    spec, model, opt = _new(run)
+    _load(run, model, opt, os.path.join(root, "from-w3"))
+    out[("loaded_w3", run)] = _full(model, opt)
+    return out
+
+
+def _group(name: str) -> dict[str, Any]:
+    """Rank 0's results of a group; the groups run once, in order."""
+    order = {"first": (_first_group, 2), "w1": (_load_group, 1), "w3": (_load_group, 3)}
+    order["resume"] = (_resume_group, 2)
+    results = {}
+    for key, (fn, world) in order.items():
+        results[key] = cached_run(("checkpoint", key), fn, world, _root())
+        if key == name:
+            return results[key][0] | {"all_ranks": results[key]}
+    raise KeyError(name)
+
+
+def _assert_equal(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
+    assert got.keys() == want.keys(), f"{what}: keys differ"
+    for key in want:
+        if isinstance(want[key], dict):
+            _assert_equal(got[key], want[key], f"{what} {key}")
+        elif isinstance(want[key], torch.Tensor):
+            assert torch.equal(got[key], want[key]), f"{what}: {key} differs"
+
+
+@pytest.mark.parametrize("run", RUNS, ids=_name)
+def test_resume_is_bit_exact(run):
+    first, resumed = _group("first"), _group("resume")
+    _assert_equal(resumed[("resumed", run)], first[("uninterrupted", run)], "resumed")
+
+
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("run", RUNS, ids=_name)
+def test_a_checkpoint_of_2_ranks_loads_on(world, run):
+    first, loaded = _group("first"), _group(f"w{world}")
+    _assert_equal(loaded[("loaded", run)], first[("saved", run)], f"loaded on {world}")
+
+
+def test_a_checkpoint_of_3_ranks_loads_on_2():
+    first, resumed = _group("first"), _group("resume")
+    run = (*RUNS[0][:3], "zrs")
+    _assert_equal(resumed[("loaded_w3", run)], first[("saved", RUNS[0])], "3 -> 2")
+
+
+def test_dcp_to_torch_save_loads_into_the_plain_model(tmp_path):
+    first = _group("first")
+    run = RUNS[0]
+    dcp_to_torch_save(os.path.join(_root(), _name(run)), tmp_path / "full.pt")
+    saved = torch.load(tmp_path / "full.pt", weights_only=False)["model"]
+    plain = spec_of(run[0]).build()
+    plain.load_state_dict(saved, strict=True)
+    _assert_equal(plain.state_dict(), first[("saved", run)]["model"], "dcp_to_torch_save")
+
+
+def test_the_gradient_norm_is_the_true_one_on_every_rank():
+    first = _group("first")
+    spec = spec_of("hf_gpt2")
+    reference = spec.build()
+    for rank in range(2):
+        (spec.loss(reference, spec.batch(rank, 0)) / 2).backward()
+    want = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]).item()
+    norms = [r["norm"] for r in first["all_ranks"]]
+    assert norms[0] == norms[1]
+    assert norms[0] == pytest.approx(want, rel=1e-5)
+
+
+def test_one_ranks_inf_is_seen_by_every_rank():
+    first = _group("first")
+    assert [r["norm_finite"] for r in first["all_ranks"]] == [False, False]
+    # GradScaler: every rank skipped the step and halved its scale
+    assert [r["scaler"] for r in first["all_ranks"]] == [(128.0, True), (128.0, True)]
+
+
+def test_post_accumulate_grad_hooks_see_the_gradient():
+    first = _group("first")
+    for r in first["all_ranks"]:
+        with_grad, without, params = r["hook_calls"]
+        assert (with_grad, without) == (params, 0)
+
+
+def test_load_state_dict_of_a_full_state_dict():
+    first = _group("first")
+    for r in first["all_ranks"]:
+        assert r["loaded_before"] and r["loaded_after"]
+        assert r["recompiled"] == 0
+
+
+def test_full_state_dict_on_rank_0_only_and_save_pretrained():
+    first = _group("first")
+    n = len(spec_of("hf_gpt2").build().state_dict())
+    assert [r["rank0_only"] for r in first["all_ranks"]] == [(n, True), (0, True)]
+    assert first["pretrained"]
+
+
+def test_one_ranks_state_dict_loaded_on_another_rank_raises():
+    first = _group("first")
+    habits = [r["ddp_habit"] for r in first["all_ranks"]]
+    assert habits[0] is None  # rank 0 loads its own rows
+    assert habits[1] is not None and "rows of rank 0 of 2" in habits[1]
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("truncated", r"data file .*__1_0\.distcp has \d+ bytes of \d+ \(truncated: '"),
+        ("corrupt", r"cannot read '.*' from .*__1_0\.distcp"),
+        ("mismatched", r"has no 'model\.transformer\.wte\.weight'"),
+        ("missing", r"cannot read its metadata .*never-saved/\.metadata"),
+    ],
+)
+def test_a_bad_checkpoint_raises_and_changes_nothing(kind, message):
+    import re
+
+    first = _group("first")
+    for r in first["all_ranks"]:
+        error, unchanged = r[("bad", kind)]
+        assert error is not None and re.search(message, error), error
+        assert unchanged

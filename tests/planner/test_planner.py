@@ -1,0 +1,100 @@
+"""The planner from Python: ``python -m zrs.planner`` and the ``zrs.planner`` helpers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zrs import _core
+from zrs import planner as zplan
+
+KEYS = ("makespan_ms", "peak_bytes", "exposed_comm_ms")
+
+
+def _run(*args: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "zrs.planner", *args],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1, out.stdout
+    return json.loads(lines[0])
+
+
+def _check(summary: dict) -> None:
+    for k in ("nodes", "plan_ms", "budget_bytes"):
+        assert k in summary
+    for side in ("greedy", "search"):
+        for k in KEYS:
+            assert isinstance(summary[side][k], (int, float)), (side, k)
+    assert summary["search"]["makespan_ms"] <= summary["greedy"]["makespan_ms"] + 1e-9
+    assert summary["search"]["peak_bytes"] <= summary["budget_bytes"]
+
+
+def test_cli_synthetic_with_trace_and_plot(tmp_path: Path) -> None:
+    trace, png = tmp_path / "out.json", tmp_path / "mem.png"
+    s = _run("--synthetic", "600", "--cost", "nop2p", "--trace", str(trace), "--plot", str(png))
+    _check(s)
+    assert 500 <= s["nodes"] <= 700
+    # Same memory as greedy by default, and less exposed communication.
+    assert s["budget_bytes"] == s["greedy"]["peak_bytes"]
+    assert s["search"]["exposed_comm_ms"] < s["greedy"]["exposed_comm_ms"]
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["ph"] for e in events} >= {"X", "C", "M"}
+    assert {e["tid"] for e in events if e["ph"] == "X"} >= {0, 1}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_graph_file_and_budget(tmp_path: Path) -> None:
+    g = tmp_path / "g.json"
+    g.write_text(_core.synthetic_graph(0, "tiny", 2))
+    s = _run(str(g), "--budget", "1GB")
+    _check(s)
+    assert s["budget_bytes"] == 10**9
+
+
+def test_cli_infeasible_budget_is_a_clear_error(tmp_path: Path) -> None:
+    g = tmp_path / "g.json"
+    g.write_text(_core.synthetic_graph(0, "tiny", 2))
+    out = subprocess.run(
+        [sys.executable, "-m", "zrs.planner", str(g), "--budget", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 1
+    assert "infeasible" in out.stderr and "at least" in out.stderr
+
+
+def test_python_api() -> None:
+    g = zplan.synthetic(0, "tiny", 2)
+    p = zplan.plan(g, "search", cost="nop2p")
+    n = len(g["nodes"])
+    assert sorted(p["order"]) == list(range(n))
+    assert len(p["start_us"]) == n and len(p["mem_t_us"]) == len(p["mem_bytes"])
+    for grp in p["groups"]:
+        assert all(g["nodes"][i]["kind"] == "allgather" for i in grp)
+    c = zplan.compare(json.dumps(g), cost=zplan.cost_model("nop2p", 2))
+    assert c["search"]["makespan_ms"] <= c["greedy"]["makespan_ms"]
+    m = zplan.fit_cost_model(
+        [(1 << 20, 60.0), (1 << 24, 400.0)], [(1 << 20, 60.0), (1 << 24, 400.0)], 2
+    )
+    assert m["allgather"]["latency_us"] > 0 and m["allgather"]["bus_gbps"] > 0
+    with pytest.raises(_core.ZrsError, match="unknown scheduler"):
+        zplan.plan(g, "beam")
+    with pytest.raises(_core.ZrsError, match="cycle"):
+        zplan.plan({"nodes": [{"name": "a", "kind": "compute", "deps": [0]}]})
+
+
+def test_plain_png_writer(tmp_path: Path) -> None:
+    path = tmp_path / "p.png"
+    zplan.plot._plot_plain([("a", [0.0, 1.0, 2.0], [0.0, 5.0, 1.0])], 6, path)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and b"IEND" in data

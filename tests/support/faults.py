@@ -1,0 +1,346 @@
+"""Fault scenarios for the multi-process tests and `benches/faults.py`: each runs on every rank of a
+gloo group, injects one fault (an exception, a disagreement, a stopped or killed rank) and reports
+per rank what zrs raised and how long after the fault.
+
+A scenario returns a dict per rank: `error` (the text of the first exception caught, "" if none),
+`kind` (its class name), `seconds` (from the fault to that exception) and scenario-specific
+entries. The timeout is the zrs.compile `timeout=` of every model built here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import zrs
+from zrs.runtime.exchange import group_timeout
+
+STEPS = 6
+LR, MOMENTUM = 0.1, 0.9
+
+
+class Fault(RuntimeError):
+    """The exception the scenarios inject."""
+
+
+class _Trigger:
+    """A module between two layers: raises, stops or kills this rank when armed, in the forward
+    or in the backward. Called eagerly (a graph break), so that it acts between compiled graphs."""
+
+    def __init__(self) -> None:
+        self.forward: Callable[[], None] | None = None
+        self.backward: Callable[[], None] | None = None
+
+
+class _Hook(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, trigger: _Trigger) -> torch.Tensor:
+        ctx.trigger = trigger
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        act, ctx.trigger.backward = ctx.trigger.backward, None
+        if act is not None:
+            act()
+        return grad, None
+
+
+@torch.compiler.disable
+def _fire(x: torch.Tensor, trigger: _Trigger) -> torch.Tensor:
+    act, trigger.forward = trigger.forward, None
+    if act is not None:
+        act()
+    return _Hook.apply(x, trigger)
+
+
+class Net(nn.Module):
+    def __init__(self, extra: bool = False) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 16)
+        self.second = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+        # Read inside the second graph: out-of-range values make it raise half-way, with the
+        # head's gather possibly in flight.
+        self.register_buffer("columns", torch.arange(16))
+        if extra:
+            self.extra = nn.Linear(4, 4)  # registered last: only this rank has it
+        self.trigger = _Trigger()
+
+    def forward(self, x: torch.Tensor, branch: bool = False) -> torch.Tensor:
+        x = torch.relu(self.first(x))
+        x = _fire(x, self.trigger)
+        x = torch.relu(self.second(x)).index_select(1, self.columns)
+        if branch:  # data-dependent control flow on one rank: a graph only it compiles
+            x = x * 2
+        return self.head(x)
+
+
+def build(
+    timeout: float | None, backend: str = "eager", **kwargs: Any
+) -> tuple[Net, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = zrs.compile(Net(), backend=backend, timeout=timeout, **kwargs)
+    return model, torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+
+def batch(rank: int, step: int, rows: int = 6) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(rows, 8, generator=g)
+
+
+def _store() -> dist.Store:
+    return dist.distributed_c10d._get_default_store()
+
+
+def mark_fault(name: str) -> None:
+    _store().set(f"fault/{name}", repr(time.time()))
+
+
+def since_fault(name: str) -> float:
+    return time.time() - float(_store().get(f"fault/{name}").decode())
+
+
+def _record(name: str, exc: BaseException) -> dict[str, Any]:
+    return {"error": str(exc), "kind": type(exc).__name__, "seconds": since_fault(name)}
+
+
+def _raise(message: str) -> Callable[[], None]:
+    def act() -> None:
+        raise Fault(message)
+
+    return act
+
+
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [
+        (p.to_local() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()
+    ]
+
+
+# --- every rank raises in one phase: a clean recovery -------------------------------------------
+
+
+def all_ranks_raise(
+    rank: int, world: int, timeout: float, backend: str = "eager"
+) -> dict[str, Any]:
+    """Every rank raises in the forward between graphs (step 1), the backward (step 2), the
+    optimizer step (step 3) and the forward inside a graph (step 4), catches it and skips the
+    batch; the parameters must equal those of a run that skipped those batches cleanly. Also
+    reports the timeouts of the model's communicators."""
+    failing, failing_opt = build(timeout, backend)
+    clean, clean_opt = build(timeout, backend)
+
+    def refuse(*_: Any) -> None:
+        raise Fault("optimizer step refused")
+
+    caught = []
+    for step in range(STEPS):
+        for model, opt, faulty in ((failing, failing_opt, True), (clean, clean_opt, False)):
+            opt.zero_grad()
+            if not faulty and step in (1, 2, 3, 4):
+                continue  # the clean skip
+            if faulty and step == 1:
+                model.trigger.forward = _raise("forward")
+            if faulty and step == 2:
+                model.trigger.backward = _raise("backward")
+            hook = opt.register_step_pre_hook(refuse) if faulty and step == 3 else None
+            if faulty and step == 4:
+                model.columns.fill_(99)  # index_select raises inside the graph
+            try:
+                model(batch(rank, step)).square().mean().backward()
+                opt.step()
+            except Fault as e:
+                caught.append(str(e))
+                opt.zero_grad()
+            except (IndexError, RuntimeError) as e:
+                caught.append(f"in graph: {type(e).__name__}")
+                opt.zero_grad()
+            if hook is not None:
+                hook.remove()
+            model.columns.copy_(torch.arange(16))
+    same = all(torch.equal(a, b) for a, b in zip(_params(failing), _params(clean), strict=True))
+    state = failing._zrs_state
+    groups = [state.gather_group, state.reduce_group, state.control_group]
+    timeouts = [group_timeout(g).total_seconds() for g in groups if g is not None]
+    return {"caught": caught, "same": same, "busy": state.step.busy(), "timeouts": timeouts}
+
+
+# --- one rank raises ----------------------------------------------------------------------------
+
+
+def one_rank_raises(rank: int, world: int, timeout: float, phase: str) -> dict[str, Any]:
+    """Rank 1 raises in `phase` ("forward", "backward" or "optimizer") at step 1; every rank
+    catches what it gets and goes on with the next batch, as a skip-on-error loop does."""
+    model, opt = build(timeout)
+    name = f"one_rank_{phase}"
+    errors: list[dict[str, Any]] = []
+
+    def fail() -> None:
+        mark_fault(name)
+        raise Fault(f"injected in the {phase}")
+
+    for step in range(4):
+        opt.zero_grad()
+        armed = rank == 1 and step == 1
+        if armed and phase == "forward":
+            model.trigger.forward = fail
+        if armed and phase == "backward":
+            model.trigger.backward = fail
+        hook = (
+            opt.register_step_pre_hook(lambda *_: fail())
+            if armed and phase == "optimizer"
+            else None
+        )
+        try:
+            model(batch(rank, step)).square().mean().backward()
+            opt.step()
+        except Exception as e:
+            errors.append(_record(name, e))
+        if hook is not None:
+            hook.remove()
+    return {"errors": errors}
+
+
+# --- disagreements ------------------------------------------------------------------------------
+
+
+def _expect_error(name: str, run: Callable[[], None]) -> dict[str, Any]:
+    try:
+        run()
+    except Exception as e:
+        return _record(name, e)
+    return {"error": "", "kind": "", "seconds": 0.0}
+
+
+def disagreements(rank: int, world: int, timeout: float) -> dict[str, dict[str, Any]]:
+    """Ranks that differ in the model, the options, the forwards, the optimizer steps, the
+    mode or a branch; each case with fresh models, its fault marked at the call where the ranks
+    part. Every case must raise on every rank."""
+    out = {}
+    case = ""
+
+    def mark() -> None:
+        mark_fault(case)
+
+    def extra_parameter() -> None:
+        net = Net(extra=rank == 1)
+        mark()
+        zrs.compile(net, backend="eager", timeout=timeout)
+
+    def parameter_order() -> None:
+        model = nn.Module()
+        names = ["a", "b"] if rank == 0 else ["b", "a"]
+        model.layers = nn.ModuleDict({n: nn.Linear(4, 4 if n == "a" else 8) for n in names})
+        mark()
+        zrs.compile(model, backend="eager", timeout=timeout)
+
+    def memory_budget() -> None:
+        mark()
+        zrs.compile(Net(), backend="eager", timeout=timeout, memory_budget=(rank + 1) << 30)
+
+    def extra_forward() -> None:
+        model, opt = build(timeout)
+        for step in range(3):
+            model(batch(rank, step)).sum().backward()
+            if step == 1:
+                mark()
+                if rank == 0:  # one more micro-batch on rank 0
+                    model(batch(rank, step)).sum().backward()
+            opt.step()
+
+    def one_rank_steps() -> None:
+        model, opt = build(timeout)
+        for step in range(3):
+            model(batch(rank, step)).sum().backward()
+            if step == 1:
+                mark()
+            if rank == 0 or step != 1:
+                opt.step()
+
+    def eval_on_one_rank() -> None:
+        model, _ = build(timeout)
+        model(batch(rank, 0)).sum().backward()
+        mark()
+        model.train(rank == 1)
+        with torch.no_grad():
+            model(batch(rank, 1))
+
+    def shape_on_one_rank() -> None:
+        model, opt = build(timeout)
+        for step in range(3):
+            if step == 1:
+                mark()
+            rows = 1 if rank == 1 and step == 1 else 6  # a size of 1 is never symbolic: a recompile
+            model(batch(rank, step, rows)).sum().backward()
+            opt.step()
+
+    def branch_on_one_rank() -> None:
+        model, opt = build(timeout)
+        for step in range(3):
+            if step == 1:
+                mark()
+            model(batch(rank, step), branch=rank == 1 and step == 1).sum().backward()
+            opt.step()
+
+    cases = {
+        "extra_parameter": extra_parameter,
+        "parameter_order": parameter_order,
+        "memory_budget": memory_budget,
+        "extra_forward": extra_forward,
+        "one_rank_steps": one_rank_steps,
+        "eval_on_one_rank": eval_on_one_rank,
+        "shape_on_one_rank": shape_on_one_rank,
+        "branch_on_one_rank": branch_on_one_rank,
+    }
+    for case, run in cases.items():
+        dist.barrier()  # every case starts together
+        out[case] = _expect_error(case, run)
+    return out
+
+
+# --- a rank stops or dies -----------------------------------------------------------------------
+
+
+def peer_lost(
+    rank: int, world: int, timeout: float, how: str, group_timeout: bool = False
+) -> dict[str, Any]:
+    """Rank 1 stops (SIGSTOP, `how="stop"`) or is killed (SIGKILL, `how="kill"`) in its backward
+    at step 1; the surviving ranks must raise within the timeout, and refuse to run on.
+    `group_timeout`: the timeout is the process group's (`new_group(timeout=)`), not zrs's."""
+    if group_timeout:
+        group = dist.new_group(timeout=datetime.timedelta(seconds=timeout))
+        model, opt = build(None, process_group=group)
+    else:
+        model, opt = build(timeout)
+    name = f"peer_{how}"
+
+    def lose() -> None:
+        mark_fault(name)
+        os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
+
+    first: dict[str, Any] = {}
+    for step in range(3):
+        if rank == 1 and step == 1:
+            model.trigger.backward = lose
+        try:
+            model(batch(rank, step)).square().mean().backward()
+            opt.step()
+        except Exception as e:
+            if first:
+                return {
+                    **first,
+                    "next": str(e),
+                    "next_seconds": since_fault(name) - first["seconds"],
+                }
+            first = _record(name, e)
+    return first

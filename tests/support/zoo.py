@@ -1,0 +1,572 @@
+"""Tiny deterministic models for the correctness tests.
+
+Each entry has ``build()`` (same weights on every call, whatever the global RNG state),
+``batch(rank, step)`` (a deterministic per-rank, per-step batch) and ``loss(model, batch)`` (a
+scalar mean over the batch, so averaging the per-rank gradients equals data-parallel training).
+Sizes are tiny so that inductor compiles quickly on CPU, and most numels are odd so that padding
+to a multiple of the world size is exercised at world sizes 2 and 3.
+
+Every model has its own class with its own ``forward``: dynamo does not trace the ``forward`` of
+``torch.nn`` containers such as ``nn.Sequential``, and distinct code objects keep the models from
+sharing dynamo's per-function recompile budget when several run in one process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map
+
+Batch = tuple[Tensor, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ZooModel:
+    name: str
+    factory: Callable[[], nn.Module]
+    batch: Callable[[int, int], Batch]
+    loss: Callable[[nn.Module, Batch], Tensor]
+    # Names (as in named_parameters(remove_duplicate=False)) of parameters that must not change.
+    frozen: tuple[str, ...] = ()
+    # Groups of names that refer to one shared parameter.
+    tied: tuple[tuple[str, ...], ...] = ()
+    # The forward has one explicit torch._dynamo.graph_break(); any other graph break (such as
+    # dynamo falling back when the zrs backend fails on a graph) means the zrs compiled path
+    # did not run the code.
+    explicit_graph_break: bool = False
+    seed: int = 0
+    # After training, `generate(model)` returns tokens that must equal the reference's.
+    generate: Callable[[nn.Module], Tensor] | None = None
+
+    def build(self) -> nn.Module:
+        """The model with its seeded initial weights; leaves the global RNG state untouched."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            return self.factory()
+
+
+def _gen(rank: int, step: int, salt: int) -> torch.Generator:
+    return torch.Generator().manual_seed(10_007 * salt + 101 * rank + step)
+
+
+def _regression_batch(n: int, d_in: int, d_out: int, salt: int) -> Callable[[int, int], Batch]:
+    def batch(rank: int, step: int) -> Batch:
+        g = _gen(rank, step, salt)
+        return (torch.randn(n, d_in, generator=g), torch.randn(n, d_out, generator=g))
+
+    return batch
+
+
+def _mse(model: nn.Module, batch: Batch) -> Tensor:
+    x, y = batch
+    # .float(): with param_dtype=bf16 the output is bf16; the loss is taken in fp32.
+    return F.mse_loss(model(x).float(), y)
+
+
+# --- an MLP ----------------------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(7, 13)
+        self.fc2 = nn.Linear(13, 11)
+        self.fc3 = nn.Linear(11, 5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = torch.tanh(self.fc1(x))
+        x = F.gelu(self.fc2(x))
+        return self.fc3(x)
+
+
+# --- a small GPT with tied token embedding and LM head ----------------------------------------
+
+GPT_VOCAB, GPT_DIM, GPT_SEQ, GPT_LAYERS, GPT_HEADS = 64, 32, 16, 2, 2
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 4 * dim)
+        self.out = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(GPT_VOCAB, GPT_DIM)
+        self.pos = nn.Parameter(torch.randn(GPT_SEQ, GPT_DIM) * 0.1)
+        self.blocks = nn.ModuleList(Block(GPT_DIM, GPT_HEADS) for _ in range(GPT_LAYERS))
+        self.ln_f = nn.LayerNorm(GPT_DIM)
+        self.head = nn.Linear(GPT_DIM, GPT_VOCAB, bias=False)
+        nn.init.normal_(self.tok.weight, std=0.1)
+        self.head.weight = self.tok.weight  # tied
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def _gpt_batch(rank: int, step: int) -> Batch:
+    tokens = torch.randint(0, GPT_VOCAB, (2, GPT_SEQ + 1), generator=_gen(rank, step, 2))
+    return (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+def _gpt_loss(model: nn.Module, batch: Batch) -> Tensor:
+    idx, target = batch
+    logits = model(idx).float()
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), target.view(-1))
+
+
+# --- a graph break between two parts ----------------------------------------------------------
+
+
+class GraphBreak(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(9, 11)
+        self.second = nn.Linear(11, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.first(x))
+        torch._dynamo.graph_break()
+        return self.second(h)
+
+
+# --- a parameter used twice -------------------------------------------------------------------
+
+
+class UsedTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(9, 9)  # the module is called twice
+        self.gate = nn.Parameter(torch.randn(9) * 0.5)  # a raw parameter read twice
+        self.out = nn.Linear(9, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.lin(x)) * self.gate
+        h = torch.tanh(self.lin(h)) + self.gate
+        return self.out(h)
+
+
+# --- 0-d parameters -----------------------------------------------------------------------------
+
+
+class ScalarParam(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(7, 5)
+        self.scale = nn.Parameter(torch.tensor(0.7))
+        self.shift = nn.Parameter(torch.tensor(-0.2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(x) * self.scale + self.shift
+
+
+# --- a frozen layer -----------------------------------------------------------------------------
+
+
+class Frozen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(7, 9)
+        self.mid = nn.Linear(9, 9)  # frozen; gradients still flow through it to `inp`
+        self.out = nn.Linear(9, 5)
+        self.mid.requires_grad_(False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = torch.tanh(self.inp(x))
+        x = torch.tanh(self.mid(x))
+        return self.out(x)
+
+
+# --- a weight chunked into a tuple --------------------------------------------------------------
+
+
+class Chunked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Parameter(torch.randn(15, 7) * 0.3)  # .chunk(3) into three 5x7 views
+        self.proj = nn.Parameter(torch.randn(7, 5) * 0.3)  # torch.split into 3 + 4 rows
+        self.bias = nn.Parameter(torch.randn(7) * 0.1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self.qkv.chunk(3)
+        h = (x @ q.T) * torch.sigmoid(x @ k.T) + x @ v.T
+        p1, p2 = torch.split(self.proj, [3, 4])
+        return torch.cat([h @ p1.T, torch.tanh(h @ p2.T)], dim=-1) + self.bias
+
+
+# --- a stack of layers with biases -------------------------------------------------------------
+
+
+class BiasStack(nn.Module):
+    """Each op reads a weight and a bias (addmm): the planner once held every weight gathered to
+    the end of the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(9, 9) for _ in range(6))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+# --- conv layers with buffers (batch norm) ------------------------------------------------------
+
+
+class ConvBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 5, 3, padding=1, bias=False)  # BN follows
+        self.bn = nn.BatchNorm2d(5)
+        self.conv2 = nn.Conv2d(5, 3, 3)
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = F.relu(self.bn(self.conv1(x)))
+        x = self.conv2(x).mean(dim=(2, 3))
+        return self.head(x)
+
+
+def _conv_batch(rank: int, step: int) -> Batch:
+    g = _gen(rank, step, 8)
+    return (torch.randn(4, 3, 7, 7, generator=g), torch.randn(4, 3, generator=g))
+
+
+def spec_of(name: str) -> ZooModel:
+    """A model of this zoo or of the Hugging Face zoo (`hf_zoo`, which needs transformers)."""
+    if name in ZOO:
+        return ZOO[name]
+    from hf_zoo import HF_ZOO
+
+    return HF_ZOO[name]
+
+
+ZOO: dict[str, ZooModel] = {
+    m.name: m
+    for m in [
+        ZooModel("mlp", MLP, _regression_batch(6, 7, 5, salt=1), _mse, seed=1),
+        ZooModel(
+            "gpt_tied",
+            TinyGPT,
+            _gpt_batch,
+            _gpt_loss,
+            tied=(("tok.weight", "head.weight"),),
+            seed=2,
+        ),
+        ZooModel(
+            "graph_break",
+            GraphBreak,
+            _regression_batch(6, 9, 3, salt=3),
+            _mse,
+            explicit_graph_break=True,
+            seed=3,
+        ),
+        ZooModel("used_twice", UsedTwice, _regression_batch(6, 9, 3, salt=4), _mse, seed=4),
+        ZooModel("scalar_param", ScalarParam, _regression_batch(6, 7, 5, salt=5), _mse, seed=5),
+        ZooModel(
+            "frozen",
+            Frozen,
+            _regression_batch(6, 7, 5, salt=6),
+            _mse,
+            frozen=("mid.weight", "mid.bias"),
+            seed=6,
+        ),
+        ZooModel("chunked", Chunked, _regression_batch(6, 7, 7, salt=7), _mse, seed=7),
+        ZooModel("bias_stack", BiasStack, _regression_batch(6, 9, 9, salt=9), _mse, seed=9),
+        ZooModel("conv_bn", ConvBN, _conv_batch, _mse, seed=8),
+    ]
+}
+
+
+# --- training loops: the unsharded reference and the zrs run inside a worker -------------------
+
+STEPS, LR, MOMENTUM = 3, 0.1, 0.9
+
+
+def param_dict(model: nn.Module) -> dict[str, Tensor]:
+    """Detached copies of every parameter under every name (tied parameters appear twice)."""
+    return {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}
+
+
+@dataclasses.dataclass
+class Reference:
+    init: dict[str, Tensor]  # parameters before training
+    final: dict[str, Tensor]  # parameters after training
+    losses: list[list[float]]  # losses[step][rank]
+    state_dict_keys: list[str]
+    # (full numel, requires_grad) of each distinct parameter: what a rank's shards must match.
+    params: list[tuple[tuple[int, ...], bool]]  # (shape, requires_grad)
+    generated: Tensor | None = None  # spec.generate of the trained model
+
+
+def train_reference(
+    spec: ZooModel,
+    world_size: int,
+    *,
+    steps: int = STEPS,
+    autocast_dtype: torch.dtype | None = None,
+) -> Reference:
+    """Unsharded, single-process training equivalent to data-parallel training on
+    ``world_size`` ranks: each step averages the gradients of the ranks' batches."""
+    model = spec.build()
+    init = param_dict(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    losses: list[list[float]] = []
+    for step in range(steps):
+        total = [torch.zeros_like(p) for p in trainable]
+        step_losses = []
+        for rank in range(world_size):
+            with torch.autocast(
+                "cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None
+            ):
+                loss = spec.loss(model, spec.batch(rank, step))
+            step_losses.append(loss.item())
+            grads = torch.autograd.grad(loss, trainable)
+            for acc, g in zip(total, grads, strict=True):
+                acc += g
+        for p, g in zip(trainable, total, strict=True):
+            p.grad = g / world_size
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(step_losses)
+    generated = None
+    if spec.generate is not None:
+        with torch.autocast(
+            "cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None
+        ):
+            generated = spec.generate(model)
+    return Reference(
+        init=init,
+        final=param_dict(model),
+        losses=losses,
+        state_dict_keys=list(model.state_dict().keys()),
+        params=[(tuple(p.shape), p.requires_grad) for p in model.parameters()],
+        generated=generated,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One zrs training run inside a group of workers."""
+
+    model: str
+    backend: str
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    steps: int = STEPS
+    scheduler: str | None = None  # None: zrs.compile's default
+    device: str = "cpu"  # "cuda": the model and batches on this rank's GPU (NCCL groups)
+    # True: pass process_group=None (the default group). False: a fresh group for this case
+    # alone, so that a failure in one case cannot leave stale messages for the next one.
+    default_group: bool = False
+
+    @property
+    def key(self) -> str:
+        dtype = "" if self.param_dtype is None else f"-{str(self.param_dtype).split('.')[-1]}"
+        sched = "" if self.scheduler is None else f"-{self.scheduler}"
+        where = "" if self.device == "cpu" else f"-{self.device}"
+        return f"{self.backend}{sched}-{self.model}{dtype}{where}"
+
+
+def _train_zrs(rank: int, case: Case, group: object) -> dict:
+    from torch._dynamo.utils import counters
+
+    import zrs
+
+    counters.clear()  # per case: the graph breaks below are this case's alone
+    spec = spec_of(case.model)
+    device = torch.device("cpu")
+    if case.device == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+        # fp32 means fp32: the reference runs on the CPU.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    model = spec.build().to(device)
+    kwargs: dict = {"process_group": group, "backend": case.backend}
+    if case.param_dtype is not None:
+        kwargs["param_dtype"] = case.param_dtype
+    if case.reduce_dtype is not None:
+        kwargs["reduce_dtype"] = case.reduce_dtype
+    if case.scheduler is not None:
+        kwargs["scheduler"] = case.scheduler
+    compiled = zrs.compile(model, **kwargs)
+    local = [
+        (
+            tuple(p.shape),
+            tuple(p.to_local().shape),
+            str(p.placements),
+            str(p.dtype),
+            p.requires_grad,
+        )
+        for p in model.parameters()
+    ]
+    output_dtypes: list[torch.dtype] = []
+    if case.param_dtype is not None:
+        # Evidence that the forward really ran in param_dtype (the output keeps its dtype).
+        model.register_forward_hook(
+            lambda m, args, out: output_dtypes.append(getattr(out, "logits", out).dtype)
+        )
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    losses = []
+    for step in range(case.steps):
+        opt.zero_grad(set_to_none=True)
+        batch = tree_map(
+            lambda t: t.to(device) if isinstance(t, Tensor) else t, spec.batch(rank, step)
+        )
+        loss = spec.loss(model, batch)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    graphs = counters["stats"]["unique_graphs"]
+    generated = spec.generate(model) if spec.generate is not None else None
+    state = zrs.full_state_dict(model)
+    return {
+        "generated": generated,
+        "returned_same_object": compiled is model,
+        "local_params": local,
+        "losses": losses,
+        "output_dtypes": sorted(set(output_dtypes), key=str),
+        "graph_breaks": sorted(counters["graph_break"]),
+        "graphs": graphs,
+        "state": {k: v.detach().cpu().clone() for k, v in state.items()},
+    }
+
+
+def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, dict]:
+    """Worker entry point: run every case in order; one case's failure does not stop the others.
+
+    Returns ``{case.key: result}``; a result has ``ok``, ``error`` (traceback or None), the
+    case's ``warnings`` and, when ok, what ``_train_zrs`` returns.
+    """
+    import torch.distributed as dist
+
+    from _dist import COLLECTIVE_TIMEOUT, format_exc, record_warnings
+    from zrs.runtime.exchange import all_gather_ints
+
+    out: dict[str, dict] = {}
+    for case in cases:
+        group = None
+        if not case.default_group:
+            group = dist.new_group(
+                list(range(world_size)),
+                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT),
+                backend=dist.get_backend(),
+            )
+        with record_warnings() as caught:
+            try:
+                res = {"ok": True, "error": None, **_train_zrs(rank, case, group)}
+            except Exception:
+                res = {"ok": False, "error": format_exc()}
+        res["warnings"] = caught
+        # Agree on the outcome, so that every rank goes on to the next case together (not with
+        # all_gather_object, which can deadlock under gloo: see zrs.exchange).
+        res["all_ranks_ok"] = all(
+            row[0] for row in all_gather_ints([int(res["ok"])], dist.group.WORLD)
+        )
+        out[case.key] = res
+    return out
+
+
+# --- checking results ---------------------------------------------------------------------------
+
+
+def case_outcome(results: list[dict[str, dict]], key: str, *, brief: bool = False) -> list[dict]:
+    """The per-rank results of one case. When the case raised on any rank, fails the test with
+    every failing rank's traceback (identical ones shown once), or with ``brief``, only the
+    error's last line (for tests that only read a side of the results)."""
+    per_rank = [r[key] for r in results]
+    if all(r["ok"] for r in per_rank):
+        return per_rank
+    by_error: dict[str, list[int]] = {}
+    for rank, r in enumerate(per_rank):
+        if not r["ok"]:
+            by_error.setdefault(r["error"], []).append(rank)
+    if brief:
+        last = next(iter(by_error)).strip().splitlines()[-1]
+        pytest.fail(
+            f"{key} raised in the workers (traceback under test_matches_reference / "
+            f"test_bf16_matches_autocast_reference): {last}",
+            pytrace=False,
+        )
+    msg = [f"{key} raised in the workers:"]
+    for error, ranks in by_error.items():
+        msg.append(f"-- rank(s) {ranks}:\n{error}")
+    pytest.fail("\n".join(msg), pytrace=False)
+
+
+def describe_diff(actual: Tensor, expected: Tensor) -> str:
+    diff = (actual.double() - expected.double()).abs()
+    rel = diff / expected.double().abs().clamp_min(1e-12)
+    return (
+        f"max|diff|={diff.max().item():.3g} (at flat index {int(diff.argmax())}), "
+        f"max rel={rel.max().item():.3g}, |expected|max={expected.abs().max().item():.3g}"
+    )
+
+
+def compare_params(
+    actual: dict[str, Tensor],
+    expected: dict[str, Tensor],
+    *,
+    rtol: float,
+    atol: float,
+) -> list[str]:
+    """One line per parameter of ``expected`` that is missing or not close in ``actual``."""
+    problems = []
+    for name, exp in expected.items():
+        if name not in actual:
+            problems.append(f"{name}: missing from full_state_dict")
+            continue
+        act = actual[name]
+        if act.shape != exp.shape or act.dtype != exp.dtype:
+            problems.append(
+                f"{name}: got {tuple(act.shape)} {act.dtype}, expected {tuple(exp.shape)} {exp.dtype}"
+            )
+            continue
+        if not torch.allclose(act, exp, rtol=rtol, atol=atol):
+            problems.append(f"{name}: {describe_diff(act, exp)}")
+    return problems
+
+
+EXPLICIT_GRAPH_BREAK = "Call to `torch._dynamo.graph_break()`"
+
+
+def unexpected_graph_breaks(spec: ZooModel, reasons: list[str]) -> list[str]:
+    """The graph-break reasons recorded by dynamo that the model does not ask for."""
+    return [
+        r for r in reasons if not (spec.explicit_graph_break and r.startswith(EXPLICIT_GRAPH_BREAK))
+    ]

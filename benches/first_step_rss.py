@@ -12,7 +12,7 @@ size whose activations dominate its parameters. The workers run with glibc's mma
 at 64 KiB, so that every large tensor is its own mapping, returned to the system when freed, and
 peak RSS follows the peak of live tensors rather than the heap's fragmentation. The later steps'
 peaks climb for a few steps, with the profile or without: on the CPU the last 16 collectives'
-buffers stay referenced (the gloo deadlock workaround in ``zrs/exchange.py``), gradient buckets
+buffers stay referenced (the gloo deadlock workaround in ``zrs/runtime/exchange.py``), gradient buckets
 included. Compare first steps.
 """
 

@@ -19,7 +19,8 @@ from zrs.compiler.backend import BACKENDS, make_backend
 from zrs.compiler.plan import SCHEDULERS, trace_dir_from_env
 from zrs.runtime import kernels
 from zrs.runtime import ops as _ops  # noqa: F401  (registers the torch.ops.zrs namespace)
-from zrs.runtime.state import LIVE, ZeroState
+from zrs.runtime.handles import LIVE
+from zrs.runtime.state import ZeroState
 from zrs.shard import InitFn, shard_model
 from zrs.state_dict import full_state_dict
 

@@ -6,12 +6,25 @@ from typing import Literal, final
 class ZrsError(RuntimeError):
     """Raised for every error reported by the zrs core; the message says what to do."""
 
+class BudgetInfeasibleError(ZrsError):
+    """No plan fits the memory budget. ``plan_compiled`` reports it in the user's terms:
+    ``budget`` and ``minimal`` exclude the ``base`` bytes live at the graph's start (``base`` is 0
+    from ``plan_graph``, whose figures include them)."""
+
+    budget: int
+    """The budget that did not fit (bytes)."""
+    minimal: int
+    """The least feasible budget (bytes), in the same terms as ``budget``."""
+    base: int
+    """Bytes live at the graph's start (its ``base_bytes``), excluded from both figures."""
+
 @final
 class ParamInfo:
     """Read-only snapshot of one registered parameter."""
 
     @property
-    def ds_id(self) -> int: ...
+    def slot(self) -> int:
+        """Its place in the registry (not the process-wide ds_id of the compiled graph's ops)."""
     @property
     def shape(self) -> tuple[int, ...]:
         """Full (unsharded) shape."""
@@ -29,60 +42,33 @@ class ParamInfo:
     @property
     def dtype(self) -> str: ...
     @property
-    def persistent(self) -> bool:
-        """Whether the gathered copy is kept between uses."""
-    @property
     def requires_grad(self) -> bool: ...
     @property
     def status(self) -> Literal["partitioned", "in_flight", "available"]: ...
-    @property
-    def gathered_valid(self) -> bool:
-        """Whether the gathered copy (in flight or available) reflects the current shards."""
     @property
     def holders(self) -> int:
         """Gathers started and not yet released."""
 
 @final
 class Registry:
-    """Sizes and gather state of every sharded parameter, keyed by ds_id."""
+    """Sizes and gather state of every sharded parameter of one model, keyed by slot."""
 
     def __new__(cls, world_size: int) -> Registry:
         """Raises ZrsError if ``world_size`` is 0."""
-    @property
-    def world_size(self) -> int: ...
-    def register(
-        self,
-        shape: Sequence[int],
-        dtype: str,
-        persistent: bool = False,
-        requires_grad: bool = True,
-    ) -> int:
-        """Register a parameter under the next free ds_id and return it."""
-    def info(self, ds_id: int) -> ParamInfo: ...
-    def local_rows(self, ds_id: int, rank: int) -> int:
+    def register(self, shape: Sequence[int], dtype: str, requires_grad: bool = True) -> int:
+        """Register a parameter under the next slot (0, 1, 2, ...) and return the slot."""
+    def info(self, slot: int) -> ParamInfo: ...
+    def local_rows(self, slot: int, rank: int) -> int:
         """Rows `rank` really holds: ``shard_rows``, fewer on the last ranks."""
-    def start_gather(self, ds_id: int) -> bool:
-        """Take a hold; True if an all-gather must be issued, False to reuse a valid copy."""
-    def finish_gather(self, ds_id: int) -> None:
+    def start_gather(self, slot: int) -> bool:
+        """Take a hold; True if an all-gather must be issued, False to reuse the copy in flight
+        or available."""
+    def finish_gather(self, slot: int) -> None:
         """Mark the all-gather complete (in flight -> available)."""
-    def release(self, ds_id: int) -> bool:
-        """Drop a hold; True if the caller must free the gathered buffer now."""
-    def invalidate(self, ds_id: int) -> None:
-        """Mark the gathered copy stale (the shard changed)."""
-    def invalidate_all(self) -> None:
-        """``invalidate`` every parameter, e.g. after an optimizer step."""
+    def release(self, slot: int) -> bool:
+        """Drop a hold; True if the caller must free the gathered buffer now (the last hold)."""
     def drop_all_gathers(self) -> int:
         """Forget every hold and gathered copy (after a failed step); how many were held."""
-    def set_uses(self, graph_id: int, ds_id: int, n: int) -> None:
-        """Record how many nodes of graph ``graph_id`` use the parameter."""
-    def uses(self, graph_id: int, ds_id: int) -> int:
-        """Uses recorded for graph ``graph_id``; 0 if none."""
-    def ids(self) -> list[int]:
-        """Registered ds_ids in increasing order."""
-    def __len__(self) -> int: ...
-    def __contains__(self, ds_id: int, /) -> bool: ...
-    def total_numel(self) -> int: ...
-    def total_shard_numel(self) -> int: ...
 
 # --- planner (rust/zrs-core/src/plan; JSON in, JSON out, one call per graph) ---
 
@@ -97,8 +83,46 @@ def plan_graph(
 
     Returns JSON: order, groups (fused all-gathers), makespan_us, exposed_comm_us, peak_bytes,
     budget_bytes, within_budget, plan_us; with ``detail`` also start_us/end_us per node and the
-    memory series mem_t_us/mem_bytes. Raises ZrsError for invalid graphs and infeasible budgets.
+    memory series mem_t_us/mem_bytes. Raises ZrsError for invalid graphs and
+    BudgetInfeasibleError for an infeasible budget.
+
+    The IR's ``allgather`` nodes may carry ``dtype`` (the gathered dtype, e.g.
+    ``"torch.bfloat16"``): every fused group has at least two members, one dtype (no ``dtype``
+    fuses only with no ``dtype``) and each ds_id at most once.
     """
+
+def plan_compiled(
+    graph_json: str,
+    scheduler: Literal["greedy", "search"] = "search",
+    budget_bytes: int | None = None,
+    budget_is_free_memory: bool = False,
+    cost: str | None = None,
+    detail: bool = True,
+) -> str:
+    """Plan a graph that zrs.compile lowered, within its memory budget.
+
+    ``budget_bytes`` counts what the graph allocates on top of its ``base_bytes`` (the user's
+    ``memory_budget``, or with ``budget_is_free_memory`` the automatic ``auto_budget``, which is
+    also capped at the greedy schedule's peak plus ``PREFETCH_ALLOWANCE_GATHERS`` of the graph's
+    largest all-gather). None: the planner's default (the greedy peak for the search). ``cost``:
+    normally ``planning_cost(...)``. Returns ``plan_graph``'s JSON; its ``budget_bytes`` is the
+    planner's budget (``base_bytes`` included, capped). Raises BudgetInfeasibleError with
+    ``budget``/``minimal`` excluding ``base`` (= ``base_bytes``).
+    """
+
+def planning_cost(cost: str | None, device_type: str, world: int) -> str:
+    """The cost-model JSON a compiled graph is planned with: ``cost`` (a preset name or a
+    cost-model JSON object; None: "nvlink" on "cuda", a gloo model "cpu_gloo" otherwise), with
+    more than one rank made pessimistic (latency +250 us, bus bandwidth / 4, name + "+margin").
+    """
+
+def auto_budget(free_bytes: int) -> int:
+    """The automatic memory budget for ``free_bytes`` of free device memory: less
+    max(1 GiB, 10 %), rounded down to a multiple of 256 MiB, at least 0."""
+
+PREFETCH_ALLOWANCE_GATHERS: int
+"""How many of a graph's largest all-gather may be prefetched ahead (2): the automatic budget's
+cap over the greedy peak and the forward's keep allowance."""
 
 def compare_plans(graph_json: str, budget_bytes: int | None = None, cost: str | None = None) -> str:
     """Both schedulers; JSON with nodes, plan_ms, budget_bytes and greedy/search summaries."""
@@ -111,10 +135,17 @@ def chrome_trace(
 ) -> str:
     """Plan and return the Chrome-trace (Perfetto) JSON of the plan."""
 
-def kept_for_backward(releases: Sequence[tuple[int, int]], allowance: int) -> list[int]:
+def kept_for_backward(
+    releases: Sequence[tuple[int, int]],
+    largest_gather_bytes: int,
+    budget_left: int | None = None,
+) -> list[int]:
     """The parameters a training forward keeps gathered for its backward: the longest run of
-    its last releases, ``(ds_id, gathered bytes)`` in execution order, within ``allowance`` bytes
-    (a parameter counts at its last release). Returned in release order."""
+    its last releases, ``(ds_id, gathered bytes)`` in execution order, within the allowance (a
+    parameter counts at its last release). The allowance is ``PREFETCH_ALLOWANCE_GATHERS`` x
+    ``largest_gather_bytes`` (the forward's largest gather), at most ``budget_left`` (an explicit
+    memory budget less the forward's planned peak; negative counts as 0). Returned in release
+    order."""
 
 def grad_buckets(numels: Sequence[int], capacity: int) -> list[int]:
     """The per-rank elements of the bucket each gradient goes to, given the gradients' per-rank

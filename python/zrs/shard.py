@@ -15,6 +15,7 @@ import functools
 import itertools
 import math
 import operator
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -28,9 +29,9 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from zrs import options, state_dict
 from zrs._core import ZrsError
 from zrs.compiler.regions import UNRESOLVED
-from zrs.runtime import grads
-from zrs.runtime import state as runtime
-from zrs.runtime.state import ParamHandle, ZeroState
+from zrs.runtime import grads, handles
+from zrs.runtime.handles import ParamHandle
+from zrs.runtime.state import ZeroState
 
 InitFn = Callable[[nn.Module], None]
 
@@ -42,7 +43,7 @@ def _gathered(name: str) -> property:
     def get(self: nn.Module) -> torch.Tensor:
         ds_id, shape, dtype = self._zrs_params[name]
         # Traced, the id stays out of the graph (the backend resolves it from the shard), so the
-        # layers of a repeated block trace to one shared body (passes/regions.py).
+        # layers of a repeated block trace to one shared body (compiler/regions.py).
         traced_id = UNRESOLVED if torch.compiler.is_compiling() else ds_id
         full = torch.ops.zrs.gather(self._zrs_shards[name], traced_id, shape)
         # A cast right after the gather is fused into it by the zero3 pass (gather in bf16).
@@ -192,7 +193,7 @@ def _shard_one(state: ZeroState, param: nn.Parameter, name: str) -> ParamHandle:
         full = full.contiguous()
         dist.broadcast(full, src=_source_rank(state), group=state.gather_group)
     slot = state.registry.register(
-        list(param.shape), str(param.dtype).removeprefix("torch."), False, param.requires_grad
+        list(param.shape), str(param.dtype).removeprefix("torch."), param.requires_grad
     )
     info = state.registry.info(slot)
     dtype = options.shard_dtype(param.dtype)
@@ -215,9 +216,11 @@ def _shard_one(state: ZeroState, param: nn.Parameter, name: str) -> ParamHandle:
             shape=param.shape,
             stride=tuple(reversed(list(strides))) if param.dim() else (),
         )
-    h = runtime.add_handle(state, shard, nn.Parameter(local, param.requires_grad), slot, name)
+    h = handles.add_handle(state, shard, nn.Parameter(local, param.requires_grad), slot, name)
     if param.requires_grad:
-        shard.register_post_accumulate_grad_hook(lambda _: grads.move_eager_grad(h))
+        # Weakly: a tensor the dynamo cache still holds must not keep a dropped model's state.
+        handle = weakref.ref(h)
+        shard.register_post_accumulate_grad_hook(lambda _: grads.move_eager_grad(handle()))
     return h
 
 

@@ -21,9 +21,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from zrs._core import ZrsError
-from zrs.runtime import collectives
-from zrs.runtime import state as runtime
-from zrs.runtime.state import ParamHandle
+from zrs.runtime import collectives, handles
+from zrs.runtime.handles import ParamHandle
 
 # Attribute of a state-dict DTensor: (rank, world size) of the rank whose rows it holds. It
 # survives torch.save (a tensor subclass pickles its __dict__).
@@ -32,7 +31,7 @@ _SAVED_BY = "_zrs_saved_by"
 
 def _sharded(module: nn.Module) -> dict[str, ParamHandle]:
     return {
-        name: runtime.handle(ds_id)
+        name: handles.handle(ds_id)
         for name, (ds_id, _, _) in getattr(module, "_zrs_params", {}).items()
     }
 

@@ -14,10 +14,10 @@ def _ev(action: str, addr: int, size: int, file: str = "x.py", line: int = 1) ->
 def test_peak_is_the_most_live_bytes_grouped_by_origin():
     gib = 2**30
     trace = [
-        _ev("alloc", 1, gib, "/pkg/zrs/runtime.py", 10),
+        _ev("alloc", 1, gib, "/pkg/zrs/runtime/state.py", 10),
         _ev("alloc", 2, 2 * gib, "/tmp/torchinductor_x/ab/c.py", 5),
         _ev("free_requested", 1, gib),  # not yet returned to the allocator: still live
-        _ev("alloc", 3, gib, "/pkg/zrs/runtime.py", 10),
+        _ev("alloc", 3, gib, "/pkg/zrs/runtime/state.py", 10),
         _ev("free_completed", 1, gib),
         _ev("free_completed", 2, 2 * gib),
         _ev("alloc", 4, gib, "other.py", 3),  # after the peak: not in the breakdown

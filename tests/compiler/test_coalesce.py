@@ -1,4 +1,4 @@
-"""The coalesce pass (passes/coalesce.py): a planned graph calls the runtime once per group, not
+"""The coalesce pass (compiler/coalesce.py): a planned graph calls the runtime once per group, not
 once per parameter, and trains exactly as the per-parameter ops did."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A training forward keeps its last-used gathered parameters for the backward (passes/keep.py):
+"""A training forward keeps its last-used gathered parameters for the backward (compiler/keep.py):
 the backward gathers fewer parameters, the results do not change, nothing outlives the step, and
 a kept copy is never used once its shard has changed."""
 
@@ -11,7 +11,6 @@ from torch._inductor import config as inductor_config
 
 import zrs
 from zrs import _core
-from zrs.compiler.keep import keep_allowance
 from zrs.runtime import gather
 from zrs.runtime import state as runtime
 
@@ -49,9 +48,9 @@ def gathered(monkeypatch):
     runtime.reset()
 
 
-def _model(backend: str, keep: bool) -> nn.Module:
+def _model(backend: str, keep: bool, **options: object) -> nn.Module:
     torch.manual_seed(0)
-    return zrs.compile(Stack(), backend=backend, keep_for_backward=keep)
+    return zrs.compile(Stack(), backend=backend, keep_for_backward=keep, **options)
 
 
 def _step(model: nn.Module, gathered: list[int], seed: int = 1) -> tuple[float, int, int]:
@@ -117,24 +116,29 @@ def test_an_inference_forward_keeps_nothing(gathered, backend):
 
 def test_the_kept_run_is_the_longest_suffix_within_the_allowance():
     releases = [(0, 100), (1, 80), (2, 80), (3, 200)]  # embedding, two layers, head
-    assert _core.kept_for_backward(releases, 300) == [2, 3]
-    assert _core.kept_for_backward(releases, 199) == []
+    # the allowance is two of the largest gathers, capped by what an explicit budget leaves
+    assert _core.kept_for_backward(releases, 150) == [2, 3]
+    assert _core.kept_for_backward(releases, 150, 280) == [2, 3]
+    assert _core.kept_for_backward(releases, 150, 279) == [3]
+    assert _core.kept_for_backward(releases, 150, 199) == []
+    assert _core.kept_for_backward(releases, 150, -5) == []
+    assert _core.kept_for_backward(releases, 99) == []
 
 
-def test_the_allowance_is_two_largest_gathers_capped_by_an_explicit_budget(monkeypatch, gathered):
+def test_an_explicit_budget_caps_what_the_forward_keeps(monkeypatch, gathered):
     from zrs.compiler import pipeline
 
     seen = {}
     keep = pipeline.keep_for_backward
 
-    def spy(graph, allowance):
-        # measured now: the coalesce pass later groups the gathers
-        seen["graph"], seen["allowance"], seen["own"] = graph, allowance, keep_allowance(graph)
-        return keep(graph, allowance)
+    def spy(graph, budget_left):
+        seen["budget_left"] = budget_left
+        seen["kept"] = keep(graph, budget_left)
+        return seen["kept"]
 
     monkeypatch.setattr(pipeline, "keep_for_backward", spy)
     _step(_model("eager", keep=True), gathered)
-    largest = 32 * 8 * 4  # the head's weight, gathered in fp32
-    assert seen["allowance"] == seen["own"] == 2 * largest
-    assert keep_allowance(seen["graph"], budget_left=100) == 100
-    assert keep_allowance(seen["graph"], budget_left=-5) == 0
+    assert seen["budget_left"] is None and seen["kept"]  # automatic: two of the largest gathers
+    runtime.reset()
+    _step(_model("eager", keep=True, memory_budget=1 << 30), gathered)
+    assert seen["budget_left"] > 0 and seen["kept"]

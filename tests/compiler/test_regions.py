@@ -1,4 +1,4 @@
-"""Repeated blocks as nested compile regions (passes/regions.py): one shared body for every
+"""Repeated blocks as nested compile regions (compiler/regions.py): one shared body for every
 layer, its gathers lifted to the calls, no gathered parameter saved for the backward, and
 training identical to the per-layer compile."""
 
@@ -14,7 +14,8 @@ from torch._inductor import config as inductor_config
 
 import zrs
 from zoo import LR, MOMENTUM, STEPS, ZOO, compare_params, train_reference
-from zrs.compiler import backend, pipeline
+from zrs.compiler import backend as dynamo_backend
+from zrs.compiler import pipeline
 from zrs.compiler._fx import is_op
 from zrs.runtime import state as runtime
 from zrs.shard import repeated_blocks
@@ -152,14 +153,14 @@ def test_a_failure_inside_the_compile_drops_the_regions(monkeypatch, caplog) -> 
     """torch 2.11 failed inside dynamo on some regions it inlines fine (an internal assertion at
     GPT-2's tanh GELU under symbolic sizes): any error raised while compiling a model with
     regions compiles it again per layer, with a warning."""
-    lift = backend.lift_region_gathers
+    lift = dynamo_backend.lift_region_gathers
 
     def fails_on_regions(gm):
         if gm.graph.find_nodes(op="call_function", target=INVOKE):
             raise AssertionError("an internal assertion of the compiler")
         return lift(gm)
 
-    monkeypatch.setattr(backend, "lift_region_gathers", fails_on_regions)
+    monkeypatch.setattr(dynamo_backend, "lift_region_gathers", fails_on_regions)
     with caplog.at_level(logging.WARNING, logger="zrs"):
         shared, graphs = _train("eager", True, monkeypatch)
     assert any("compiled on its own" in r.getMessage() for r in caplog.records)

@@ -20,6 +20,7 @@ from torch._inductor import config as inductor_config
 import zrs
 from _dist import run_workers
 from zoo import LR, MOMENTUM, STEPS, ZOO, compare_params, spec_of, train_reference
+from zrs import _core
 from zrs import planner as zplan
 from zrs.compiler import ir as fx_ir
 from zrs.compiler import pipeline, reorder
@@ -164,7 +165,7 @@ def test_ir_from_lowered_graph_validates(model):
                 assert spec["duration_us"] >= fx_ir.DEVICE_RATES["cpu"][2]
         json.dumps(ir)  # serializable
         for scheduler in ("greedy", "search"):
-            p = zplan.plan(ir, scheduler, cost=schedule.default_cost("cpu", 2), detail=False)
+            p = zplan.plan(ir, scheduler, cost=_core.planning_cost(None, "cpu", 2), detail=False)
             assert sorted(p["order"]) == list(range(len(nodes)))
 
 
@@ -311,16 +312,20 @@ def test_backward_inputs_are_live_at_the_start_and_freed_at_their_last_reader():
     assert freed >= expected
     assert freed <= expected + allocated
     # a budget counts what the graph allocates on top of its inputs
-    ctx = schedule.ScheduleContext(budget=1 << 20)
-    assert schedule._graph_budget(ir, ctx) == (1 << 20) + expected
+    ctx = schedule.PlanContext(budget=1 << 30)
+    assert schedule._plan(ir, ctx, detail=False)["budget_bytes"] == (1 << 30) + expected
     # the automatic (free-memory) budget stops near the greedy schedule's peak
-    free = schedule.ScheduleContext(budget=1 << 40, budget_is_free_memory=True)
+    free = schedule.PlanContext(budget=1 << 40, budget_is_free_memory=True)
     greedy_peak = zplan.plan(ir, "greedy", None, free.collective_cost())["peak_bytes"]
     largest = max(spec["bytes"] for spec in ir["nodes"] if spec["kind"] == "allgather")
-    allowance = schedule.PREFETCH_ALLOWANCE_GATHERS * largest
-    assert schedule._graph_budget(ir, free) == greedy_peak + allowance
-    tight = schedule.ScheduleContext(budget=16, budget_is_free_memory=True)
-    assert schedule._graph_budget(ir, tight) == 16 + expected  # less free memory than that
+    allowance = _core.PREFETCH_ALLOWANCE_GATHERS * largest
+    assert schedule._plan(ir, free, detail=False)["budget_bytes"] == greedy_peak + allowance
+    # too little for the graph: a typed error in the user's terms (the inputs excluded)
+    tight = schedule.PlanContext(budget=16, budget_is_free_memory=True)
+    with pytest.raises(_core.BudgetInfeasibleError) as info:
+        schedule._plan(ir, tight, detail=False)
+    assert (info.value.budget, info.value.base) == (16, expected)
+    assert info.value.minimal > 16
 
 
 # --- applying plans ------------------------------------------------------------------------------
@@ -330,7 +335,7 @@ def test_backward_inputs_are_live_at_the_start_and_freed_at_their_last_reader():
 def test_apply_plan_keeps_a_valid_order(model):
     for k, base in enumerate(lowered(model)):
         ir, _ = fx_ir.build_ir(base, world=2)
-        cost = schedule.default_cost("cpu", 2)
+        cost = _core.planning_cost(None, "cpu", 2)
         orders = [zplan.plan(ir, s, cost=cost, detail=False) for s in ("greedy", "search")]
         orders += [{"order": _random_topological(ir, seed), "groups": []} for seed in range(5)]
         for p in orders:
@@ -350,13 +355,13 @@ def test_apply_plan_inserts_one_prefetch_per_group():
     _, nodes = fx_ir.build_ir(graph, world=2)
     gathers = [i for i, n in enumerate(nodes) if is_op(n, "allgather_param")]
     half = len(gathers) // 2
-    groups = [gathers[:half] + gathers[:1], gathers[half:]]  # a parameter twice: fused once
+    groups = [gathers[:half], gathers[half:]]
     inserted = reorder.apply_plan(graph, nodes, list(range(len(nodes))), groups, graph_id=0)
     _check_order(graph)
     pfs = graph.find_nodes(op="call_function", target=OPS.prefetch_params_fused.default)
     assert len(pfs) == len(inserted) == 2
     for pf, members in zip(pfs, inserted, strict=True):
-        assert list(pf.args[2]) == members and len(set(members)) == len(members)
+        assert list(pf.args[2]) == members
     # groups of one need no prefetch
     graph = lowered("gpt_tied")[0]
     _, nodes = fx_ir.build_ir(graph, world=2)
@@ -375,15 +380,19 @@ def test_apply_plan_rejects_a_non_permutation():
 
 
 def _force_one_group(monkeypatch) -> None:
-    """Plan normally, then fuse every all-gather of the graph into one prefetch group."""
-    real = schedule._plan_local
+    """Plan normally, then fuse every parameter's first all-gather into one prefetch group per
+    gather dtype (the largest legal groups)."""
+    real = schedule._plan
 
-    def forced(ir, ctx, budget, detail):
-        p = real(ir, ctx, budget, detail)
-        gathers = [i for i, n in enumerate(ir["nodes"]) if n["kind"] == "allgather"]
-        return {**p, "groups": [gathers]}
+    def forced(ir, ctx, detail):
+        p = real(ir, ctx, detail)
+        groups: dict[str, dict[int, int]] = {}
+        for i, n in enumerate(ir["nodes"]):
+            if n["kind"] == "allgather":
+                groups.setdefault(n.get("dtype", ""), {}).setdefault(n["ds_id"], i)
+        return {**p, "groups": [list(g.values()) for g in groups.values()]}
 
-    monkeypatch.setattr(schedule, "_plan_local", forced)
+    monkeypatch.setattr(schedule, "_plan", forced)
 
 
 def _record_runtime(monkeypatch) -> list[tuple[str, object]]:
@@ -396,7 +405,7 @@ def _record_runtime(monkeypatch) -> list[tuple[str, object]]:
         return prefetch(graph_id, shards, ds_ids, dtypes)
 
     def rec_group(graph_id, shards, ds_ids, dtypes):
-        # A coalesced group (passes/coalesce.py): the prefetch, its members claiming it at once.
+        # A coalesced group (compiler/coalesce.py): the prefetch, its members claiming it at once.
         calls.append(("prefetch", tuple(ds_ids)))
         calls.extend(("allgather", i) for i in ds_ids)
         return group(graph_id, shards, ds_ids, dtypes)
@@ -594,7 +603,7 @@ def test_bad_options_raise_before_sharding(kwargs, match):
 
 def test_scheduler_none_keeps_the_lowered_graph(monkeypatch):
     seen = []
-    real = schedule.schedule_graph
+    real = schedule.plan_graph
 
     def spy(graph, graph_id, *, is_backward, ctx):
         before = [n.name for n in graph.nodes]
@@ -602,7 +611,7 @@ def test_scheduler_none_keeps_the_lowered_graph(monkeypatch):
         seen.append((out, before == [n.name for n in graph.nodes]))
         return out
 
-    monkeypatch.setattr(pipeline, "schedule_graph", spy)
+    monkeypatch.setattr(pipeline, "plan_graph", spy)
     torch.manual_seed(0)
     zrs.compile(Net(), backend="eager", scheduler="none")(torch.randn(4, 6)).backward()
     runtime.reset()
@@ -703,15 +712,13 @@ def test_released_means_released(model, scheduler):
     every plan holds no more gathered bytes than the unplanned order (each released after its
     last use) plus the prefetch allowance."""
     for graph in lowered(model):
-        gathers = [
-            fx_ir.nbytes(n.meta["val"]) for n in graph.nodes if is_op(n, "allgather_param")
-        ]
+        gathers = [fx_ir.nbytes(n.meta["val"]) for n in graph.nodes if is_op(n, "allgather_param")]
         if not gathers:
             continue
         unplanned = _gathered_peak(graph)
-        ctx = schedule.ScheduleContext(scheduler=scheduler, profile=False)
+        ctx = schedule.PlanContext(scheduler=scheduler, profile=False)
         backward = bool(graph.find_nodes(op="call_function", target=OPS.end_backward.default))
-        schedule.schedule_graph(graph, 0, is_backward=backward, ctx=ctx)
-        allowance = schedule.PREFETCH_ALLOWANCE_GATHERS * max(gathers)
+        schedule.plan_graph(graph, 0, is_backward=backward, ctx=ctx)
+        allowance = _core.PREFETCH_ALLOWANCE_GATHERS * max(gathers)
         planned = _gathered_peak(graph)
         assert planned <= unplanned + allowance, (model, backward, planned, unplanned, allowance)

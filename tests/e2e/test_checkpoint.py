@@ -80,15 +80,15 @@ def _full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
 
     Gathered through zrs's own collectives: DTensor's redistribution runs gloo collectives
     whose buffers a worker thread may free (one rank of the full suite died in free() inside
-    `get_optimizer_state_dict(full_state_dict=True)`; zrs.exchange says why zrs keeps its own
+    `get_optimizer_state_dict(full_state_dict=True)`; zrs.runtime.exchange says why zrs keeps its own
     alive)."""
     import zrs
     from zrs.runtime import collectives
-    from zrs.runtime import state as runtime
+    from zrs.runtime.handles import ParamHandle
 
     handles = {id(h.param): h for h in model._zrs_state.handles}
 
-    def full(h: runtime.ParamHandle, value: torch.Tensor) -> torch.Tensor:
+    def full(h: ParamHandle, value: torch.Tensor) -> torch.Tensor:
         if not isinstance(value, DTensor):
             return value.detach().cpu().clone()
         flat = torch.zeros(h.shard_numel, dtype=value.dtype, device=value.device)

@@ -1,4 +1,4 @@
-"""Faults on 2 gloo ranks (tests/faults.py): every rank raising in a phase recovers to exactly the
+"""Faults on 2 gloo ranks (tests/support/faults.py): every rank raising in a phase recovers to exactly the
 clean skip; one rank raising, ranks that disagree, and a stopped or killed peer give every
 surviving rank a ZrsError within the timeout, and the model refuses to run on after it."""
 

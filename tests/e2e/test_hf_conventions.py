@@ -10,7 +10,7 @@ from torch import fx
 
 import zrs
 from hf_zoo import HF_ZOO
-from zrs.compiler import backend
+from zrs.compiler import backend as dynamo_backend
 from zrs.runtime import state as runtime
 
 
@@ -78,7 +78,7 @@ def test_the_loss_is_compiled_with_the_model_without_a_graph_break():
 def _attention_masks(monkeypatch) -> list[bool]:
     """Whether each SDPA call dynamo captured got a mask (blocks' bodies included)."""
     masked: list[bool] = []
-    lift = backend.lift_region_gathers
+    lift = dynamo_backend.lift_region_gathers
 
     def spy(gm):
         for module in gm.modules():
@@ -88,7 +88,7 @@ def _attention_masks(monkeypatch) -> list[bool]:
                     masked.append(mask is not None or not n.kwargs.get("is_causal", False))
         return lift(gm)
 
-    monkeypatch.setattr(backend, "lift_region_gathers", spy)
+    monkeypatch.setattr(dynamo_backend, "lift_region_gathers", spy)
     return masked
 
 

@@ -1,4 +1,4 @@
-"""Hugging Face transformers train under zrs as they do unsharded (tests/hf_zoo.py).
+"""Hugging Face transformers train under zrs as they do unsharded (tests/support/hf_zoo.py).
 
 As in test_correctness.py, one group of gloo workers per (world size, backend, dtype) trains
 every model in turn, and each test reads its model's result. fp32 runs at world sizes 1, 2 and 3

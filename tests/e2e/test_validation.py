@@ -225,14 +225,14 @@ def test_too_small_budget_raises_a_zrs_error_naming_the_least_budget():
 
 
 def test_too_small_budget_for_the_backward_graph_raises_a_zrs_error(monkeypatch):
-    plan = pipeline.schedule_graph
+    plan = pipeline.plan_graph
 
     def backward_budget_of_one_byte(graph, graph_id, *, is_backward, ctx):
         if is_backward:
             ctx = dataclasses.replace(ctx, budget=1)
         return plan(graph, graph_id, is_backward=is_backward, ctx=ctx)
 
-    monkeypatch.setattr(pipeline, "schedule_graph", backward_budget_of_one_byte)
+    monkeypatch.setattr(pipeline, "plan_graph", backward_budget_of_one_byte)
     torch.manual_seed(0)
     message = _budget_error(zrs.compile(Net(), backend="eager", memory_budget=1 << 20))
     assert message.startswith("backward graph 0: memory budget of"), message

@@ -11,7 +11,7 @@ cause not known), so give a 4-GPU run its own device call or `ZRS_GPU_WORLD=2`.
 Tolerances. fp32: TF32 is off, but cuBLAS/cuDNN sum in other orders than the CPU kernels of the
 reference, ~1e-7 relative per op; after three SGD-momentum steps through a few layers that stays
 far below rtol 1e-4 / atol 1e-5 (10x the CPU suite's), while a wrong gradient scale or a mixed-up
-shard moves parameters by >= 1e-2. bf16: the bounds of tests/test_mixed_precision.py (reasoned
+shard moves parameters by >= 1e-2. bf16: the bounds of tests/e2e/test_mixed_precision.py (reasoned
 there), against the same bf16-autocast CPU reference.
 """
 
@@ -57,7 +57,7 @@ def _case(model: str, backend: str, bf16: bool) -> Case:
 
 
 def run_cases_on_side_streams(rank: int, world: int, cases: list[Case]) -> dict[str, dict]:
-    """run_cases with the collectives on zrs's side streams (zrs.streams, opt-in)."""
+    """run_cases with the collectives on zrs's side streams (zrs.runtime.streams, opt-in)."""
     os.environ["ZRS_COMM_STREAMS"] = "1"
     return run_cases(rank, world, cases)
 

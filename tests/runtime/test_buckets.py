@@ -20,12 +20,12 @@ def _train_small_buckets(
     rank: int, world: int, backend: str, planned: bool, separate_comm: bool = True
 ) -> dict:
     import zrs
-    from zrs.compiler import backend, pipeline
+    from zrs.compiler import pipeline
     from zrs.runtime import grads
 
     grads.GRAD_BUCKET_NUMEL = BUCKET_NUMEL
     if not planned:  # every gradient reaches the runtime without its bucket's size
-        pipeline.plan_grad_buckets = lambda graph: []
+        pipeline.plan_grad_buckets = lambda graph, shard_numels: []
     in_flight: list[int] = []
     fills: list[tuple[int, int]] = []  # (elements used, capacity) of each reduced bucket
     flush = grads._flush

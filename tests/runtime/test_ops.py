@@ -86,7 +86,7 @@ def test_prefetch_params_fused(handles):
 
 
 def test_group_ops(handles):
-    """allgather_params / wait_allgathers / release_params: one call per group (passes/coalesce.py).
+    """allgather_params / wait_allgathers / release_params: one call per group (compiler/coalesce.py).
     wait_allgathers declares its outputs aliases of the token, which stands for the gathered
     buffers, so only the fake is checked against the kernel (test_schema would want real views)."""
     shards = [h.shard for h in handles]

@@ -494,7 +494,7 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, dict]:
                 res = {"ok": False, "error": format_exc()}
         res["warnings"] = caught
         # Agree on the outcome, so that every rank goes on to the next case together (not with
-        # all_gather_object, which can deadlock under gloo: see zrs.exchange).
+        # all_gather_object, which can deadlock under gloo: see zrs.runtime.exchange).
         res["all_ranks_ok"] = all(
             row[0] for row in all_gather_ints([int(res["ok"])], dist.group.WORLD)
         )

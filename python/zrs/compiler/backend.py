@@ -13,9 +13,9 @@ lowered FX graphs run as they are.
 from __future__ import annotations
 
 import contextvars
-import functools
 import hashlib
 import logging
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitioner
 
 from zrs._core import ZrsError
 from zrs.compiler import pipeline
-from zrs.compiler.plan import ScheduleContext
+from zrs.compiler.plan import PlanContext
 from zrs.compiler.profile import symints
 from zrs.compiler.recompute import reroute_aliased_outputs, tag_gathers_for_recompute
 from zrs.compiler.regions import inline_regions, lift_region_gathers, resolve_gathers
@@ -62,7 +62,7 @@ PARTITIONER = ZeroPartitioner()
 # (graph_id, is_backward, keep, lower, schedule context, graph) of the graph inductor is
 # compiling right now; keep: a training forward of a keep_for_backward model, which keeps its last
 # gathered parameters for the backward (in the FX cache key with the rest).
-_CURRENT: contextvars.ContextVar[tuple[int, bool, bool, Any, ScheduleContext, fx.Graph]] = (
+_CURRENT: contextvars.ContextVar[tuple[int, bool, bool, Any, PlanContext, fx.Graph]] = (
     contextvars.ContextVar("zrs_current")
 )
 
@@ -87,14 +87,29 @@ LOWERING = ZeroLowering()
 
 
 def make_backend(state: ZeroState, backend: str):
-    """A dynamo backend for one `zrs.compile` call (`backend` is checked by the caller)."""
+    """A dynamo backend for one `zrs.compile` call (`backend` is checked by the caller).
+
+    It holds the model's state weakly: torch keeps every backend passed to torch.compile until
+    `torch._dynamo.reset()` (`eval_frame.cached_backends`), and a strong reference there would
+    keep every dropped model's state alive; so would the compiled graphs, which dynamo leaves in
+    the globals of the module of the frame it compiled (`wrap.py`). The runtime ops find the
+    state through their ds_ids (`state.LIVE`), which are weak too."""
+    state_ref = weakref.ref(state)
+    del state
+
+    def live() -> ZeroState:
+        state = state_ref()
+        if state is None:
+            raise ZrsError("this zrs model was dropped; compile the model again with zrs.compile")
+        return state
 
     def zrs_backend(gm: fx.GraphModule, example_inputs: list[Any]):
+        state = live()
         regions = lift_region_gathers(gm)
         resolve_gathers(gm, example_inputs, lambda shard: state.ds_ids.get(id(shard)))
         graph_id = next(state.graph_ids)
         try:
-            return _compile_graph(gm, example_inputs, graph_id)
+            return _compile_graph(state, gm, example_inputs, graph_id)
         except ZrsError:
             raise
         except Exception as e:
@@ -111,13 +126,20 @@ def make_backend(state: ZeroState, backend: str):
                 str(e).splitlines()[0] if str(e) else "",
             )
             inline_regions(gm)
-            return _compile_graph(gm, example_inputs, graph_id)
+            return _compile_graph(state, gm, example_inputs, graph_id)
 
-    def _compile_graph(gm: fx.GraphModule, example_inputs: list[Any], graph_id: int):
-        check = functools.partial(pipeline.check_graph, state, graph_id)
-        lower = functools.partial(pipeline.lower, state, graph_id)
-        # A cache hit would skip the partitioner, the rank check and the zero3 pass.
-        context = functools.partial(pipeline.plan_context, state)
+    def _compile_graph(
+        state: ZeroState, gm: fx.GraphModule, example_inputs: list[Any], graph_id: int
+    ):
+        def check(graph: fx.Graph, is_backward: bool) -> None:
+            pipeline.check_graph(live(), graph_id, graph, is_backward)
+
+        def lower(graph: fx.Graph, is_backward: bool, keep: bool, ctx: PlanContext) -> None:
+            pipeline.lower(live(), graph_id, graph, is_backward, keep, ctx)
+
+        def context() -> PlanContext:
+            return pipeline.plan_context(live())
+
         keeps = state.keep_for_backward
         # The backward is compiled now, beside the forward, not lazily inside the first backward:
         # there its profile (real tensors of the graph's shapes) ran while the step's real saved

@@ -2,7 +2,7 @@
 
 Ranks that trace different graphs (data-dependent control flow, different input shapes) would issue
 different collectives and deadlock. Each rank hashes a signature of its lowered graph; the hashes
-are compared in one small exchange (`zrs.exchange`, which cannot deadlock under gloo as
+are compared in one small exchange (`zrs.runtime.exchange`, which cannot deadlock under gloo as
 `all_gather_object` can), and only on a mismatch are the signatures exchanged to name the first
 differing node.
 """

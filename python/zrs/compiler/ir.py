@@ -349,6 +349,8 @@ def build_ir(
             spec["ds_id"] = int(n.args[2])
         if kind == "allgather":
             spec["bytes"] = nbytes(val(n), hints)
+            if isinstance(val(n), torch.Tensor):  # the planner fuses only gathers of one dtype
+                spec["dtype"] = str(val(n).dtype)
         elif kind == "reduce_scatter":
             grad = val(n.args[0])
             spec["bytes"] = (

@@ -6,9 +6,9 @@ the gathers behind: on 2xH200 without P2P that stalled the backward's start and 
 gathers per step that FSDP2, which keeps its root and last block gathered, does not pay. The
 planner (`zrs._core.kept_for_backward`) picks the longest run of the forward's last releases
 within an allowance of bytes; their `release_param` nodes get `keep=True`, and the runtime hands
-the gathered copy to the parameter's next gather (``runtime._claim_kept``).
+the gathered copy to the parameter's next gather (``runtime.gather._claim_kept``).
 
-The allowance is what the backward may prefetch ahead anyway at its start
+The allowance, decided in zrs-core, is what the backward may prefetch ahead anyway at its start
 (``PREFETCH_ALLOWANCE_GATHERS`` of the forward's largest gather), so the device holds no more at
 the forward's end than it would at the backward's start. An explicit ``memory_budget`` caps it at
 the budget left over the forward's planned peak. Only graph facts decide, so every rank keeps the
@@ -22,26 +22,20 @@ from torch import fx
 from zrs import _core
 from zrs.compiler._fx import is_op, val
 from zrs.compiler.ir import nbytes
-from zrs.compiler.plan import PREFETCH_ALLOWANCE_GATHERS
 
 
-def keep_allowance(graph: fx.Graph, budget_left: int | None = None) -> int:
-    """Bytes the forward may keep: PREFETCH_ALLOWANCE_GATHERS of its largest gather, at most
-    `budget_left` (an explicit budget less the planned peak)."""
-    gathers = [nbytes(val(n)) for n in graph.nodes if is_op(n, "allgather_param")]
-    allowance = PREFETCH_ALLOWANCE_GATHERS * max(gathers, default=0)
-    return allowance if budget_left is None else max(0, min(allowance, budget_left))
-
-
-def keep_for_backward(graph: fx.Graph, allowance: int) -> list[int]:
-    """Mark the last releases of the kept parameters `keep=True`; returns their ds_ids."""
+def keep_for_backward(graph: fx.Graph, budget_left: int | None = None) -> list[int]:
+    """Mark the last releases of the kept parameters `keep=True`; returns their ds_ids.
+    `budget_left`: an explicit budget less the forward's planned peak (None: automatic)."""
     gathered: dict[int, int] = {}
     for n in graph.nodes:
         if is_op(n, "allgather_param"):
             gathered[int(n.args[2])] = nbytes(val(n))
     releases = [n for n in graph.nodes if is_op(n, "release_param")]
     kept = _core.kept_for_backward(
-        [(int(r.args[2]), gathered.get(int(r.args[2]), 0)) for r in releases], allowance
+        [(int(r.args[2]), gathered.get(int(r.args[2]), 0)) for r in releases],
+        max(gathered.values(), default=0),
+        budget_left,
     )
     last = {int(r.args[2]): r for r in releases}  # a parameter's last release
     for ds_id in kept:

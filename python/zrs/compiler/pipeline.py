@@ -25,8 +25,8 @@ from torch import fx
 from zrs.compiler.coalesce import coalesce
 from zrs.compiler.consistency import check_same_graph
 from zrs.compiler.grad_buckets import plan_grad_buckets
-from zrs.compiler.keep import keep_allowance, keep_for_backward
-from zrs.compiler.plan import ScheduleContext, device_budget, graph_label, schedule_graph
+from zrs.compiler.keep import keep_for_backward
+from zrs.compiler.plan import PlanContext, device_budget, graph_label, plan_graph
 from zrs.compiler.profile import measure_collectives
 from zrs.compiler.zero3 import lower_zero3
 from zrs.runtime.state import ZeroState
@@ -55,7 +55,7 @@ def check_graph(state: ZeroState, graph_id: int, graph: fx.Graph, is_backward: b
         check_same_graph(graph, state.control_group, what)
 
 
-def plan_context(state: ZeroState) -> ScheduleContext:
+def plan_context(state: ZeroState) -> PlanContext:
     """Step 2: the planner's options for one graph compile. Called on every rank before inductor's
     cache lookup: an automatic CUDA budget is a collective (the least free memory over ranks)."""
     budget, source = state.memory_budget, "memory_budget="
@@ -77,7 +77,7 @@ def plan_context(state: ZeroState) -> ScheduleContext:
             )
         state.cost_measured = True
         state.compile_s["sweep"] = time.perf_counter() - t0
-    return ScheduleContext(
+    return PlanContext(
         scheduler=state.scheduler,
         budget=budget,
         budget_source=source,
@@ -99,20 +99,20 @@ def lower(
     graph: fx.Graph,
     is_backward: bool,
     keep: bool,
-    ctx: ScheduleContext,
+    ctx: PlanContext,
 ) -> None:
     """Step 3: the passes, in their order; each phase's wall time goes to `state.compile_s`."""
     t0 = time.perf_counter()
     lower_zero3(graph, graph_id, is_backward=is_backward)
     t1 = time.perf_counter()
-    scheduled = schedule_graph(graph, graph_id, is_backward=is_backward, ctx=ctx)
+    planned = plan_graph(graph, graph_id, is_backward=is_backward, ctx=ctx)
     t2 = time.perf_counter()
     if keep:
         budget_left = None  # the automatic budget's allowance is the prefetch's (keep.py)
         if state.memory_budget is not None:
-            peak = scheduled.plan["peak_bytes"] if scheduled is not None else state.memory_budget
+            peak = planned.plan["peak_bytes"] if planned is not None else state.memory_budget
             budget_left = state.memory_budget - peak
-        keep_for_backward(graph, keep_allowance(graph, budget_left))
+        keep_for_backward(graph, budget_left)
     t3 = time.perf_counter()
     shard_numels = {h.ds_id: h.shard_numel for h in state.handles}
     if is_backward:
@@ -123,7 +123,7 @@ def lower(
     coalesce(graph, graph_id, shard_numels)  # last: one op per group, every decision above kept
     spent = {"lower": t1 - t0, "keep": t3 - t2, "buckets": t4 - t3}
     spent["coalesce"] = time.perf_counter() - t4
-    if scheduled is not None:
-        spent |= {"profile": scheduled.profile_s, "plan": scheduled.plan_s}
+    if planned is not None:
+        spent |= {"profile": planned.profile_s, "plan": planned.plan_s}
     for phase, seconds in spent.items():
         state.compile_s[phase] = state.compile_s.get(phase, 0.0) + seconds

@@ -3,7 +3,7 @@
 The min-cut partitioner then never saves a gathered parameter (or a view or cast of it) for
 backward: backward gathers it again from the shard, which is what makes this ZeRO-3.
 
-A repeated block (an `invoke_subgraph` call, passes/regions.py) is partitioned on its own first,
+A repeated block (an `invoke_subgraph` call, compiler/regions.py) is partitioned on its own first,
 and its forward returns what its backward needs, some of its own inputs (or views of them) among
 them: the gathered parameters and the block's input activation. Those outputs are rerouted: the
 backward takes the view of the input itself. A gathered parameter is then recomputed from the

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 
@@ -41,25 +40,18 @@ def _reorder(graph: fx.Graph, nodes: list[fx.Node], order: list[int]) -> None:
         anchor = n
 
 
-def _prefetch_groups(
+def _prefetch_group(
     members: list[fx.Node], pos: dict[fx.Node, int]
-) -> list[tuple[fx.Node, list[fx.Node]]]:
-    """Split one planner group into runtime groups: one dtype each, each parameter once, every
-    shard defined before the group's first gather. Returns (first gather, members)."""
-    by_dtype: dict[torch.dtype, list[fx.Node]] = {}
-    seen: set[int] = set()
-    for ag in sorted(members, key=pos.__getitem__):
-        if ag.args[2] in seen or not isinstance(val(ag), torch.Tensor):
-            continue
-        seen.add(ag.args[2])
-        by_dtype.setdefault(val(ag).dtype, []).append(ag)
-    out = []
-    for group in by_dtype.values():
-        first = group[0]
-        group = [ag for ag in group if pos[ag.args[0]] < pos[first]]
-        if len(group) >= 2:
-            out.append((first, group))
-    return out
+) -> tuple[fx.Node, list[fx.Node]] | None:
+    """One planner group as the runtime issues it: (its first gather, the members whose shard is
+    defined before that gather), or None when fewer than two remain. zrs-core already made the
+    group legal (one gather dtype, each parameter once); where a shard is defined is an FX fact."""
+    members = sorted(members, key=pos.__getitem__)
+    if not members:
+        return None
+    first = members[0]
+    members = [ag for ag in members if pos[ag.args[0]] < pos[first]]
+    return (first, members) if len(members) >= 2 else None
 
 
 def apply_plan(
@@ -84,18 +76,21 @@ def apply_plan(
     inserted = []
     for group in groups:
         members = [nodes[i] for i in group if is_op(nodes[i], "allgather_param")]
-        for first, sub in _prefetch_groups(members, pos):
-            with graph.inserting_before(first):
-                pf = graph.call_function(
-                    OPS.prefetch_params_fused.default,
-                    (graph_id, [ag.args[0] for ag in sub], [ag.args[2] for ag in sub]),
-                    {"dtypes": [val(ag).dtype for ag in sub]},
-                )
-            shard = val(sub[0].args[0])
-            with detect_fake_mode([shard]) or contextlib.nullcontext():
-                pf.meta["val"] = shard.new_empty(0)
-            for ag in sub:  # a data edge: inductor must not schedule the prefetch after them
-                ag.update_kwarg("prefetched", pf)
-            inserted.append([int(ag.args[2]) for ag in sub])
+        found = _prefetch_group(members, pos)
+        if found is None:
+            continue
+        first, sub = found
+        with graph.inserting_before(first):
+            pf = graph.call_function(
+                OPS.prefetch_params_fused.default,
+                (graph_id, [ag.args[0] for ag in sub], [ag.args[2] for ag in sub]),
+                {"dtypes": [val(ag).dtype for ag in sub]},
+            )
+        shard = val(sub[0].args[0])
+        with detect_fake_mode([shard]) or contextlib.nullcontext():
+            pf.meta["val"] = shard.new_empty(0)
+        for ag in sub:  # a data edge: inductor must not schedule the prefetch after them
+            ag.update_kwarg("prefetched", pf)
+        inserted.append([int(ag.args[2]) for ag in sub])
     graph.lint()
     return inserted

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from zrs.runtime.exchange import keep_alive
-from zrs.runtime.state import ParamHandle
+from zrs.runtime.handles import ParamHandle
 
 
 def all_gather(
@@ -57,7 +57,7 @@ def reduce_scatter(
 
 def _issued(work: dist.Work, async_op: bool, *tensors: torch.Tensor) -> dist.Work | None:
     # Always issued async, to get the Work: it and its host tensors stay referenced for a while
-    # (see zrs.exchange, a gloo worker thread must never drop their last reference).
+    # (see zrs.runtime.exchange, a gloo worker thread must never drop their last reference).
     keep_alive(work, *tensors)
     if async_op:
         return work

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from zrs._core import ZrsError
 from zrs.runtime import streams
 from zrs.runtime.collectives import all_gather
-from zrs.runtime.state import ParamHandle, StepState, ZeroState, handle, handles, names
+from zrs.runtime.handles import ParamHandle, handle, handles, names
+from zrs.runtime.state import StepState, ZeroState
 
 Todo = list[tuple[ParamHandle, torch.Tensor, torch.dtype]]
 
@@ -125,7 +126,7 @@ def issue_gather(
     dtype = todo[0][2]
     if any(dt != dtype for _, _, dt in todo):
         raise ZrsError("a fused prefetch group mixes gather dtypes; the planner must split it")
-    # The gathered buffers are read by the compute stream: allocated on it (zrs.streams).
+    # The gathered buffers are read by the compute stream: allocated on it (zrs.runtime.streams).
     flat = None
     if len(todo) == 1:
         h = todo[0][0]
@@ -258,7 +259,7 @@ def allgather_param(
 def issue_group(
     graph_id: int, shards: list[torch.Tensor], ds_ids: list[int], dtypes: list[torch.dtype]
 ) -> None:
-    """Start one fused all-gather of a planned group (passes/coalesce.py)."""
+    """Start one fused all-gather of a planned group (compiler/coalesce.py)."""
     hs = handles(ds_ids)
     hs[0].state.step.graph = graph_id
     issue_gather(hs, shards, dtypes)
@@ -317,7 +318,7 @@ def _drop_hold(h: ParamHandle) -> None:
                 flat.storage.resize_(0)
 
 
-# --- copies a training forward keeps for its backward (passes/keep.py) ---------------------------
+# --- copies a training forward keeps for its backward (compiler/keep.py) ---------------------------
 # `StepState.kept`: ds_id -> the shard's version counter when the forward kept the gathered copy.
 # The forward's hold stays in the registry, so the copy stays "available"; the parameter's next
 # gather takes the copy and the hold over (normally the backward's first use), unless the shard

@@ -13,10 +13,11 @@ from torch.distributed.tensor import DTensor
 
 from zrs.runtime import gather, streams
 from zrs.runtime.collectives import reduce_scatter
-from zrs.runtime.state import ParamHandle, ZeroState, handles, names
+from zrs.runtime.handles import ParamHandle, handles, names
+from zrs.runtime.state import ZeroState
 
 # Gradient buckets hold at most this many elements (per rank, all shards together); the
-# compiler plans each backward's buckets within it (passes/grad_buckets.py). 16M: about one
+# compiler plans each backward's buckets within it (compiler/grad_buckets.py). 16M: about one
 # 1b-preset layer per bucket. Each reduce-scatter costs ~0.1-0.15 ms of CPU to issue (2xH200
 # profile); at 4M every large gradient of the 1b model was its own bucket, 115 reduce-scatters
 # per step. Memory: (world x 16M) x reduce dtype per bucket, at most MAX_IN_FLIGHT_REDUCES + 1
@@ -77,9 +78,11 @@ def reduce_scatter_full(h: ParamHandle, grad: torch.Tensor) -> torch.Tensor:
     return out.to(h.shard.dtype)
 
 
-def move_eager_grad(h: ParamHandle) -> None:
+def move_eager_grad(h: ParamHandle | None) -> None:
     """Autograd accumulated a gradient into the flat shard (a gather run eagerly, outside a
-    compiled graph): it belongs to the parameter."""
+    compiled graph): it belongs to the parameter (None: the model was dropped)."""
+    if h is None:
+        return
     grad, h.shard.grad = h.shard.grad, None
     if grad is not None:
         accumulate_grad(h, grad)
@@ -90,7 +93,7 @@ def reduce_grads(
 ) -> None:
     """Pack gradients into their buckets, one kernel per run that fits in a bucket; reduce-scatter
     each bucket once full. `bucket_numels[i]`: the per-rank size of the bucket the compiler planned
-    for gradient i (passes/grad_buckets.py), 0 if unplanned (the bucket then holds up to
+    for gradient i (compiler/grad_buckets.py), 0 if unplanned (the bucket then holds up to
     GRAD_BUCKET_NUMEL)."""
     hs = handles(ds_ids)
     i = 0

@@ -1,7 +1,7 @@
 """Copy kernels behind the zrs copy ops: cast+pack (copy-in), rank-major unpack (copy-out) and
 gradient pack (pre-divide, cast, zero padding).
 
-The schemas live in `zrs.ops` (`COPY_SCHEMAS`). This module gives every op two implementations:
+The schemas live in `zrs.runtime.ops` (`COPY_SCHEMAS`). This module gives every op two implementations:
 
 - a torch implementation (plain tensor ops), registered on CompositeExplicitAutograd, so it serves
   CPU tensors, and CUDA tensors whenever the CUDA kernels are not loaded;
@@ -57,11 +57,11 @@ def source_dir() -> Path:
     Looked up in `$ZRS_CUDA_SRC`, then `cuda/` beside the installed package (a wheel that ships
     it), then the source checkout's `cuda/` (editable installs).
     """
-    here = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]
     candidates = []
     if os.environ.get(_SRC_ENV):
         candidates.append(Path(os.environ[_SRC_ENV]))
-    candidates += [here / "cuda", here.parent / "cuda", here.parents[1] / "cuda"]
+    candidates += [package / "cuda", package.parent / "cuda", package.parents[1] / "cuda"]
     for c in candidates:
         if (c / SOURCE).is_file():
             return c
@@ -293,8 +293,8 @@ def _fake_none(*args, **kwargs):
 
 
 def register(lib: torch.library.Library, outside_dynamo: Callable[[Callable], Callable]) -> None:
-    """Register the torch implementations and the fakes of the copy ops on `lib` (zrs.ops), each
-    wrapped by `outside_dynamo` (zrs.ops: dynamo's frame hook off while it runs)."""
+    """Register the torch implementations and the fakes of the copy ops on `lib` (zrs.runtime.ops), each
+    wrapped by `outside_dynamo` (zrs.runtime.ops: dynamo's frame hook off while it runs)."""
     impls = {
         "pack_cast": _pack_cast,
         "unpack_rank_major": _unpack_rank_major,

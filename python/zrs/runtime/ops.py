@@ -18,8 +18,7 @@ from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_c
 from torch.fx.node import has_side_effect
 
 from zrs._core import ZrsError
-from zrs.runtime import collectives, gather, grads
-from zrs.runtime import state as runtime
+from zrs.runtime import collectives, gather, grads, handles
 
 LIB = torch.library.Library("zrs", "DEF")  # schemas as strings: they need alias annotations
 
@@ -41,7 +40,7 @@ SCHEMAS = {
     ),
     "reduce_grad": "reduce_grad(Tensor grad, int graph_id, int ds_id, int bucket_numel=0) -> ()",
     "end_backward": "end_backward(int graph_id) -> ()",
-    # One op per group of the ops above (passes/coalesce.py): the per-parameter host work of a
+    # One op per group of the ops above (compiler/coalesce.py): the per-parameter host work of a
     # planned graph, batched. allgather_params returns a token that stands for the group's
     # gathered buffers; wait_allgathers returns the members' parameters, declared aliases of the
     # token so that inductor orders every use after the wait and AOTAutograd expects views.
@@ -111,7 +110,7 @@ def _fake(name: str):
 
 @_impl("gather")
 def _gather(shard, ds_id, shape, dtype=None):
-    return collectives.gather_full(runtime.handle(ds_id), shard, dtype)
+    return collectives.gather_full(handles.handle(ds_id), shard, dtype)
 
 
 @_fake("gather")
@@ -121,12 +120,12 @@ def _gather_fake(shard, ds_id, shape, dtype=None):
 
 @_impl("gather_grad")
 def _gather_grad(grad, ds_id):
-    return grads.reduce_scatter_full(runtime.handle(ds_id), grad)
+    return grads.reduce_scatter_full(handles.handle(ds_id), grad)
 
 
 @_fake("gather_grad")
 def _gather_grad_fake(grad, ds_id):
-    h = runtime.handle(ds_id)
+    h = handles.handle(ds_id)
     return grad.new_empty(h.shard_numel, dtype=h.shard.dtype)
 
 
@@ -155,7 +154,7 @@ def _allgather_param(shard, graph_id, ds_id, dtype=None, prefetched=None):
 
 @_fake("allgather_param")
 def _allgather_param_fake(shard, graph_id, ds_id, dtype=None, prefetched=None):
-    h = runtime.handle(ds_id)
+    h = handles.handle(ds_id)
     return shard.new_empty(h.shape, dtype=dtype or shard.dtype)
 
 
@@ -219,7 +218,7 @@ def _reduce_grad_fake(grad, graph_id, ds_id, bucket_numel=0):
 
 @_impl("end_backward")
 def _end_backward(graph_id):
-    grads.end_backward(runtime.LIVE.models())
+    grads.end_backward(handles.LIVE.models())
 
 
 @_fake("end_backward")
@@ -246,7 +245,7 @@ def _wait_allgathers(token, graph_id, ds_ids, dtypes):
 @_fake("wait_allgathers")
 def _wait_allgathers_fake(token, graph_id, ds_ids, dtypes):
     # A group's members are views of one buffer (gather.Flat); a group has one dtype.
-    hs = [runtime.handle(i) for i in ds_ids]
+    hs = [handles.handle(i) for i in ds_ids]
     flat = token.new_empty(sum(h.numel for h in hs), dtype=_as_dtype(dtypes[0]))
     return [v.view(h.shape) for h, v in zip(hs, flat.split([h.numel for h in hs]), strict=True)]
 
@@ -277,7 +276,7 @@ for _name in SIDE_EFFECT_OPS:
 
 # --- copy ops (issue 3): internal ops of the runtime's copy-in, copy-out and gradient pack --------
 # Kernels: torch ops on CompositeExplicitAutograd (CPU, and the CUDA fallback) and the CUDA kernels
-# of cuda/zrs_kernels.cu on the CUDA key once built; both live in `zrs.kernels`.
+# of cuda/zrs_kernels.cu on the CUDA key once built; both live in `zrs.runtime.kernels`.
 
 from zrs.runtime import kernels as _kernels  # noqa: E402
 

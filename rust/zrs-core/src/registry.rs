@@ -1,17 +1,20 @@
-//! The parameter registry: what zrs knows about every sharded parameter, keyed by ds_id.
+//! The parameter registry: what zrs knows about every sharded parameter of one model, keyed by
+//! its *slot* (the parameter's place in this registry, 0, 1, 2, ...; not the process-wide ds_id
+//! that the compiled graph's ops carry).
 //!
 //! Python owns the tensors; the registry owns sizes and the gather life cycle
 //! (partitioned -> in flight -> available -> partitioned). Gathers are refcounted because two
 //! nodes of a graph can gather the same parameter with overlapping lifetimes, and the buffer may
 //! only be freed when the last of them releases it.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
-pub type ParamId = usize;
+/// A parameter's place in one [`Registry`].
+pub type Slot = usize;
 
 /// Where the full (gathered) copy of a parameter is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -37,7 +40,7 @@ impl Status {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ParamInfo {
-    pub ds_id: ParamId,
+    pub slot: Slot,
     pub shape: Vec<usize>,
     pub numel: usize,
     /// Rows (of dim 0) each rank holds: ceil(shape[0] / world), the chunks of `torch.chunk`
@@ -48,22 +51,16 @@ pub struct ParamInfo {
     pub padded_numel: usize,
     pub shard_numel: usize,
     pub dtype: String,
-    /// Persistent parameters keep their gathered copy between uses.
-    pub persistent: bool,
     pub requires_grad: bool,
     pub status: Status,
-    /// Whether the gathered copy (in flight or available) reflects the current shards.
-    pub gathered_valid: bool,
     /// Gathers started and not yet released.
     pub holders: usize,
-    /// graph_id -> number of uses of this parameter in that graph.
-    pub uses: BTreeMap<usize, usize>,
 }
 
 #[derive(Debug, Clone)]
 pub struct Registry {
     world_size: usize,
-    params: BTreeMap<ParamId, ParamInfo>,
+    params: BTreeMap<Slot, ParamInfo>,
 }
 
 impl Registry {
@@ -77,33 +74,14 @@ impl Registry {
         })
     }
 
-    pub fn world_size(&self) -> usize {
-        self.world_size
-    }
-
-    /// Registers a parameter under the next free ds_id (one past the largest registered).
+    /// Registers a parameter under the next slot (one past the largest registered) and returns it.
     pub fn register(
         &mut self,
         shape: Vec<usize>,
         dtype: String,
-        persistent: bool,
         requires_grad: bool,
-    ) -> Result<ParamId> {
-        let ds_id = self.params.last_key_value().map_or(0, |(&id, _)| id + 1);
-        self.register_with_id(ds_id, shape, dtype, persistent, requires_grad)
-    }
-
-    pub fn register_with_id(
-        &mut self,
-        ds_id: ParamId,
-        shape: Vec<usize>,
-        dtype: String,
-        persistent: bool,
-        requires_grad: bool,
-    ) -> Result<ParamId> {
-        if self.params.contains_key(&ds_id) {
-            return Err(Error::AlreadyRegistered(ds_id));
-        }
+    ) -> Result<Slot> {
+        let slot = self.params.last_key_value().map_or(0, |(&s, _)| s + 1);
         let too_large = || Error::Invalid(format!("parameter shape {shape:?} is too large"));
         let numel = shape
             .iter()
@@ -117,135 +95,83 @@ impl Registry {
             .checked_mul(self.world_size)
             .ok_or_else(too_large)?;
         let info = ParamInfo {
-            ds_id,
+            slot,
             numel,
             shard_rows,
             padded_numel,
             shard_numel,
             shape,
             dtype,
-            persistent,
             requires_grad,
             status: Status::Partitioned,
-            gathered_valid: false,
             holders: 0,
-            uses: BTreeMap::new(),
         };
-        self.params.insert(ds_id, info);
-        Ok(ds_id)
+        self.params.insert(slot, info);
+        Ok(slot)
     }
 
-    /// Rows of `ds_id` that `rank` really holds: `shard_rows`, fewer on the last ranks when the
+    /// Rows of `slot` that `rank` really holds: `shard_rows`, fewer on the last ranks when the
     /// rows do not divide evenly (none past the end). A 0-d parameter is replicated: every rank
     /// holds its one element.
-    pub fn local_rows(&self, ds_id: ParamId, rank: usize) -> Result<usize> {
+    pub fn local_rows(&self, slot: Slot, rank: usize) -> Result<usize> {
         if rank >= self.world_size {
             return Err(Error::Invalid(format!(
                 "rank {rank} is outside a world of {}",
                 self.world_size
             )));
         }
-        let p = self.info(ds_id)?;
+        let p = self.info(slot)?;
         let Some(&rows) = p.shape.first() else {
             return Ok(1);
         };
         Ok(rows.saturating_sub(rank * p.shard_rows).min(p.shard_rows))
     }
 
-    pub fn info(&self, ds_id: ParamId) -> Result<&ParamInfo> {
-        self.params.get(&ds_id).ok_or(Error::UnknownParam(ds_id))
+    pub fn info(&self, slot: Slot) -> Result<&ParamInfo> {
+        self.params.get(&slot).ok_or(Error::UnknownSlot(slot))
     }
 
-    fn info_mut(&mut self, ds_id: ParamId) -> Result<&mut ParamInfo> {
-        self.params
-            .get_mut(&ds_id)
-            .ok_or(Error::UnknownParam(ds_id))
-    }
-
-    pub fn contains(&self, ds_id: ParamId) -> bool {
-        self.params.contains_key(&ds_id)
-    }
-
-    pub fn len(&self) -> usize {
-        self.params.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.params.is_empty()
-    }
-
-    /// Registered ds_ids in increasing order.
-    pub fn ids(&self) -> impl Iterator<Item = ParamId> + '_ {
-        self.params.keys().copied()
-    }
-
-    pub fn total_numel(&self) -> usize {
-        self.params.values().map(|p| p.numel).sum()
-    }
-
-    pub fn total_shard_numel(&self) -> usize {
-        self.params.values().map(|p| p.shard_numel).sum()
+    fn info_mut(&mut self, slot: Slot) -> Result<&mut ParamInfo> {
+        self.params.get_mut(&slot).ok_or(Error::UnknownSlot(slot))
     }
 
     /// Takes a hold on the gathered copy. Returns true when the caller must issue an all-gather;
-    /// false when a valid copy is already in flight or available and can be reused.
-    pub fn start_gather(&mut self, ds_id: ParamId) -> Result<bool> {
-        let p = self.info_mut(ds_id)?;
+    /// false when a copy is already in flight or available and can be reused.
+    pub fn start_gather(&mut self, slot: Slot) -> Result<bool> {
+        let p = self.info_mut(slot)?;
         p.holders += 1;
-        let issue = p.status == Status::Partitioned || !p.gathered_valid;
+        let issue = p.status == Status::Partitioned;
         if issue {
-            // The copy now in flight is gathered from the current shards.
             p.status = Status::InFlight;
-            p.gathered_valid = true;
         }
         Ok(issue)
     }
 
     /// Marks the all-gather as complete. Waiting twice on the same gather is harmless.
-    pub fn finish_gather(&mut self, ds_id: ParamId) -> Result<()> {
-        let p = self.info_mut(ds_id)?;
+    pub fn finish_gather(&mut self, slot: Slot) -> Result<()> {
+        let p = self.info_mut(slot)?;
         match p.status {
-            Status::Partitioned => Err(Error::WaitWithoutGather(ds_id)),
+            Status::Partitioned => Err(Error::WaitWithoutGather(slot)),
             Status::InFlight | Status::Available => {
                 p.status = Status::Available;
-                p.gathered_valid = true;
                 Ok(())
             }
         }
     }
 
     /// Drops a hold. Returns true when the caller must free the gathered buffer now: the last
-    /// holder is gone and the copy is either not persistent or stale.
-    pub fn release(&mut self, ds_id: ParamId) -> Result<bool> {
-        let p = self.info_mut(ds_id)?;
+    /// holder is gone.
+    pub fn release(&mut self, slot: Slot) -> Result<bool> {
+        let p = self.info_mut(slot)?;
         if p.holders == 0 {
-            return Err(Error::ReleaseWithoutGather(ds_id));
+            return Err(Error::ReleaseWithoutGather(slot));
         }
         p.holders -= 1;
-        let free = p.holders == 0 && (!p.persistent || !p.gathered_valid);
+        let free = p.holders == 0;
         if free {
             p.status = Status::Partitioned;
-            p.gathered_valid = false;
         }
         Ok(free)
-    }
-
-    /// Marks the gathered copy stale (the shards changed, e.g. after an optimizer step).
-    /// A copy nobody holds is dropped at once; a held one is dropped by its last release.
-    pub fn invalidate(&mut self, ds_id: ParamId) -> Result<()> {
-        Self::invalidate_one(self.info_mut(ds_id)?);
-        Ok(())
-    }
-
-    pub fn invalidate_all(&mut self) {
-        self.params.values_mut().for_each(Self::invalidate_one);
-    }
-
-    fn invalidate_one(p: &mut ParamInfo) {
-        p.gathered_valid = false;
-        if p.holders == 0 {
-            p.status = Status::Partitioned;
-        }
     }
 
     /// Forgets every hold and gathered copy (a step that failed part-way: its releases never
@@ -258,35 +184,8 @@ impl Registry {
             }
             p.holders = 0;
             p.status = Status::Partitioned;
-            p.gathered_valid = false;
         }
         dropped
-    }
-
-    /// Records how many nodes of graph `graph_id` use the parameter; 0 forgets the entry.
-    pub fn set_uses(&mut self, graph_id: usize, ds_id: ParamId, n: usize) -> Result<()> {
-        let uses = &mut self.info_mut(ds_id)?.uses;
-        if n == 0 {
-            uses.remove(&graph_id);
-        } else {
-            uses.insert(graph_id, n);
-        }
-        Ok(())
-    }
-
-    /// Uses of the parameter in graph `graph_id`; 0 when that graph never recorded any.
-    pub fn uses(&self, graph_id: usize, ds_id: ParamId) -> Result<usize> {
-        Ok(self.info(ds_id)?.uses.get(&graph_id).copied().unwrap_or(0))
-    }
-
-    /// Every graph id that recorded uses, in increasing order.
-    pub fn graph_ids(&self) -> Vec<usize> {
-        let ids: BTreeSet<usize> = self
-            .params
-            .values()
-            .flat_map(|p| p.uses.keys().copied())
-            .collect();
-        ids.into_iter().collect()
     }
 }
 
@@ -299,14 +198,13 @@ mod tests {
         Registry::new(world_size).unwrap()
     }
 
-    fn add(r: &mut Registry, shape: &[usize], persistent: bool) -> ParamId {
-        r.register(shape.to_vec(), "float32".into(), persistent, true)
-            .unwrap()
+    fn add(r: &mut Registry, shape: &[usize]) -> Slot {
+        r.register(shape.to_vec(), "float32".into(), true).unwrap()
     }
 
-    fn state(r: &Registry, id: ParamId) -> (Status, bool, usize) {
-        let p = r.info(id).unwrap();
-        (p.status, p.gathered_valid, p.holders)
+    fn state(r: &Registry, slot: Slot) -> (Status, usize) {
+        let p = r.info(slot).unwrap();
+        (p.status, p.holders)
     }
 
     #[test]
@@ -317,18 +215,13 @@ mod tests {
     #[test]
     fn dropping_all_gathers_forgets_holds_and_copies() {
         let mut r = reg(2);
-        let (a, b, c) = (
-            add(&mut r, &[4], false),
-            add(&mut r, &[4], true),
-            add(&mut r, &[4], false),
-        );
+        let (a, b, c) = (add(&mut r, &[4]), add(&mut r, &[4]), add(&mut r, &[4]));
         assert!(r.start_gather(a).unwrap());
         assert!(r.start_gather(b).unwrap());
         r.finish_gather(b).unwrap();
-        assert!(!r.release(b).unwrap()); // persistent: stays available, unheld
         assert_eq!(r.drop_all_gathers(), 2);
-        for id in [a, b, c] {
-            assert_eq!(state(&r, id), (Status::Partitioned, false, 0));
+        for slot in [a, b, c] {
+            assert_eq!(state(&r, slot), (Status::Partitioned, 0));
         }
         assert!(r.start_gather(a).unwrap()); // a fresh gather, not a reuse
         assert_eq!(r.drop_all_gathers(), 1);
@@ -336,46 +229,41 @@ mod tests {
     }
 
     #[test]
-    fn register_assigns_sequential_ids_and_sizes() {
+    fn register_assigns_sequential_slots_and_sizes() {
         let mut r = reg(3);
-        assert!(r.is_empty());
-        let a = add(&mut r, &[5, 2], false);
-        let b = r.register(vec![], "bfloat16".into(), true, false).unwrap();
-        let c = add(&mut r, &[4, 0], false);
+        let a = add(&mut r, &[5, 2]);
+        let b = r.register(vec![], "bfloat16".into(), false).unwrap();
+        let c = add(&mut r, &[4, 0]);
         assert_eq!((a, b, c), (0, 1, 2));
 
         let pa = r.info(a).unwrap();
+        assert_eq!(pa.slot, a);
         assert_eq!(pa.shape, vec![5, 2]);
         assert_eq!((pa.numel, pa.padded_numel, pa.shard_numel), (10, 12, 4));
         assert_eq!(pa.dtype, "float32");
-        assert!(!pa.persistent && pa.requires_grad);
-        assert_eq!(state(&r, a), (Status::Partitioned, false, 0));
+        assert!(pa.requires_grad);
+        assert_eq!(state(&r, a), (Status::Partitioned, 0));
 
         let pb = r.info(b).unwrap();
         assert_eq!((pb.numel, pb.padded_numel, pb.shard_numel), (1, 3, 1));
-        assert!(pb.persistent && !pb.requires_grad);
+        assert!(!pb.requires_grad);
 
         let pc = r.info(c).unwrap();
         assert_eq!((pc.numel, pc.padded_numel, pc.shard_numel), (0, 0, 0));
-
-        assert_eq!(r.len(), 3);
-        assert_eq!(r.ids().collect::<Vec<_>>(), vec![0, 1, 2]);
-        assert_eq!(r.total_numel(), 11);
-        assert_eq!(r.total_shard_numel(), 5);
-        assert!(r.contains(1) && !r.contains(3));
+        assert_eq!(r.info(3), Err(Error::UnknownSlot(3)));
     }
 
     #[test]
     fn shards_are_whole_rows_as_torch_chunk_cuts_them() {
         let mut r = reg(4);
-        let a = add(&mut r, &[7, 3], false);
-        let b = add(&mut r, &[2, 5], false);
-        let scalar = add(&mut r, &[], false);
+        let a = add(&mut r, &[7, 3]);
+        let b = add(&mut r, &[2, 5]);
+        let scalar = add(&mut r, &[]);
         let pa = r.info(a).unwrap();
         assert_eq!((pa.shard_rows, pa.shard_numel, pa.padded_numel), (2, 6, 24));
-        let rows = |id| {
+        let rows = |slot| {
             (0..4)
-                .map(|k| r.local_rows(id, k).unwrap())
+                .map(|k| r.local_rows(slot, k).unwrap())
                 .collect::<Vec<_>>()
         };
         assert_eq!(rows(a), vec![2, 2, 2, 1]);
@@ -387,119 +275,48 @@ mod tests {
     }
 
     #[test]
-    fn register_with_id_and_next_id() {
-        let mut r = reg(2);
-        r.register_with_id(7, vec![3], "float32".into(), false, true)
-            .unwrap();
-        assert_eq!(add(&mut r, &[1], false), 8);
-        assert_eq!(
-            r.register_with_id(7, vec![3], "float32".into(), false, true),
-            Err(Error::AlreadyRegistered(7))
-        );
-    }
-
-    #[test]
     fn oversized_shape_is_an_error() {
         let mut r = reg(1);
         let err = r
-            .register(vec![usize::MAX, 2], "float32".into(), false, true)
+            .register(vec![usize::MAX, 2], "float32".into(), true)
             .unwrap_err();
         assert!(matches!(err, Error::Invalid(_)));
-        assert!(r.is_empty());
+        assert_eq!(add(&mut r, &[1]), 0, "nothing was registered");
     }
 
     #[test]
     fn gather_wait_release_cycle() {
         let mut r = reg(2);
-        let a = add(&mut r, &[4], false);
+        let a = add(&mut r, &[4]);
         assert!(r.start_gather(a).unwrap());
-        assert_eq!(state(&r, a), (Status::InFlight, true, 1));
+        assert_eq!(state(&r, a), (Status::InFlight, 1));
         r.finish_gather(a).unwrap();
-        assert_eq!(state(&r, a), (Status::Available, true, 1));
+        assert_eq!(state(&r, a), (Status::Available, 1));
         r.finish_gather(a).unwrap();
-        assert_eq!(state(&r, a), (Status::Available, true, 1));
+        assert_eq!(state(&r, a), (Status::Available, 1));
         assert!(r.release(a).unwrap());
-        assert_eq!(state(&r, a), (Status::Partitioned, false, 0));
+        assert_eq!(state(&r, a), (Status::Partitioned, 0));
     }
 
     #[test]
     fn overlapping_gathers_share_one_collective() {
         let mut r = reg(2);
-        let a = add(&mut r, &[4], false);
+        let a = add(&mut r, &[4]);
         assert!(r.start_gather(a).unwrap());
         assert!(!r.start_gather(a).unwrap(), "reuse the in-flight copy");
         r.finish_gather(a).unwrap();
         assert!(!r.start_gather(a).unwrap(), "reuse the available copy");
-        assert_eq!(state(&r, a), (Status::Available, true, 3));
+        assert_eq!(state(&r, a), (Status::Available, 3));
         assert!(!r.release(a).unwrap());
         assert!(!r.release(a).unwrap());
         assert!(r.release(a).unwrap());
-        assert_eq!(state(&r, a), (Status::Partitioned, false, 0));
-    }
-
-    #[test]
-    fn persistent_params_stay_available() {
-        let mut r = reg(2);
-        let a = add(&mut r, &[4], true);
-        assert!(r.start_gather(a).unwrap());
-        r.finish_gather(a).unwrap();
-        assert!(!r.release(a).unwrap());
-        assert_eq!(state(&r, a), (Status::Available, true, 0));
-        assert!(!r.start_gather(a).unwrap());
-        assert_eq!(state(&r, a), (Status::Available, true, 1));
-    }
-
-    #[test]
-    fn invalidate_unheld_persistent_partitions_it() {
-        let mut r = reg(2);
-        let a = add(&mut r, &[4], true);
-        r.start_gather(a).unwrap();
-        r.finish_gather(a).unwrap();
-        r.release(a).unwrap();
-        r.invalidate(a).unwrap();
-        assert_eq!(state(&r, a), (Status::Partitioned, false, 0));
-        assert!(r.start_gather(a).unwrap());
-    }
-
-    #[test]
-    fn invalidate_held_copy_regathers_and_frees_on_release() {
-        let mut r = reg(2);
-        let a = add(&mut r, &[4], true);
-        r.start_gather(a).unwrap();
-        r.finish_gather(a).unwrap();
-        r.invalidate(a).unwrap();
-        assert_eq!(state(&r, a), (Status::Available, false, 1));
-        assert!(
-            r.start_gather(a).unwrap(),
-            "stale copy must be gathered again"
-        );
-        assert_eq!(state(&r, a), (Status::InFlight, true, 2));
-        r.finish_gather(a).unwrap();
-        r.invalidate(a).unwrap();
-        assert!(!r.release(a).unwrap());
-        assert!(r.release(a).unwrap(), "stale persistent copy is freed");
-        assert_eq!(state(&r, a), (Status::Partitioned, false, 0));
-    }
-
-    #[test]
-    fn invalidate_all_touches_every_param() {
-        let mut r = reg(2);
-        let a = add(&mut r, &[4], true);
-        let b = add(&mut r, &[4], true);
-        for id in [a, b] {
-            r.start_gather(id).unwrap();
-            r.finish_gather(id).unwrap();
-        }
-        r.release(a).unwrap();
-        r.invalidate_all();
-        assert_eq!(state(&r, a), (Status::Partitioned, false, 0));
-        assert_eq!(state(&r, b), (Status::Available, false, 1));
+        assert_eq!(state(&r, a), (Status::Partitioned, 0));
     }
 
     #[test]
     fn release_without_gather_is_an_error() {
         let mut r = reg(2);
-        let a = add(&mut r, &[4], false);
+        let a = add(&mut r, &[4]);
         assert_eq!(r.release(a), Err(Error::ReleaseWithoutGather(a)));
         r.start_gather(a).unwrap();
         r.release(a).unwrap();
@@ -509,51 +326,29 @@ mod tests {
     #[test]
     fn wait_without_gather_is_an_error() {
         let mut r = reg(2);
-        let a = add(&mut r, &[4], false);
+        let a = add(&mut r, &[4]);
         assert_eq!(r.finish_gather(a), Err(Error::WaitWithoutGather(a)));
     }
 
     #[test]
-    fn unknown_ids_are_errors() {
+    fn unknown_slots_are_errors() {
         let mut r = reg(2);
-        let e = Err(Error::UnknownParam(9));
+        let e = Err(Error::UnknownSlot(9));
         assert_eq!(r.info(9).map(|_| ()), e);
+        assert_eq!(r.local_rows(9, 0).map(|_| ()), e);
         assert_eq!(r.start_gather(9).map(|_| ()), e);
         assert_eq!(r.finish_gather(9), e);
         assert_eq!(r.release(9).map(|_| ()), e);
-        assert_eq!(r.invalidate(9), e);
-        assert_eq!(r.set_uses(0, 9, 1), e);
-        assert_eq!(r.uses(0, 9).map(|_| ()), e);
-    }
-
-    #[test]
-    fn use_counts_per_graph() {
-        let mut r = reg(2);
-        let a = add(&mut r, &[4], false);
-        let b = add(&mut r, &[4], false);
-        assert_eq!(r.uses(0, a), Ok(0));
-        r.set_uses(0, a, 2).unwrap();
-        r.set_uses(3, a, 1).unwrap();
-        r.set_uses(3, b, 5).unwrap();
-        assert_eq!(r.uses(0, a), Ok(2));
-        assert_eq!(r.uses(3, b), Ok(5));
-        assert_eq!(r.uses(0, b), Ok(0));
-        assert_eq!(r.graph_ids(), vec![0, 3]);
-        r.set_uses(0, a, 0).unwrap();
-        assert_eq!(r.uses(0, a), Ok(0));
-        assert_eq!(r.graph_ids(), vec![3]);
     }
 
     #[test]
     fn error_messages_say_what_to_do() {
-        let msg = Error::UnknownParam(4).to_string();
-        assert!(msg.contains("ds_id 4") && msg.contains("zrs.compile"));
+        let msg = Error::UnknownSlot(4).to_string();
+        assert!(msg.contains("parameter slot 4") && msg.contains("zrs.compile"));
         let msg = Error::ReleaseWithoutGather(2).to_string();
-        assert!(msg.starts_with("release of parameter 2 that was never gathered"));
+        assert!(msg.starts_with("release of parameter slot 2 that was never gathered"));
         let msg = Error::WaitWithoutGather(2).to_string();
-        assert!(msg.starts_with("wait on parameter 2 that was never gathered"));
-        let msg = Error::AlreadyRegistered(1).to_string();
-        assert!(msg.starts_with("parameter ds_id 1 is already registered"));
+        assert!(msg.starts_with("wait on parameter slot 2 that was never gathered"));
     }
 
     #[derive(Debug, Clone)]
@@ -561,8 +356,6 @@ mod tests {
         Start(usize),
         Finish(usize),
         Release(usize),
-        Invalidate(usize),
-        InvalidateAll,
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -570,26 +363,22 @@ mod tests {
             (0..3usize).prop_map(Op::Start),
             (0..3usize).prop_map(Op::Finish),
             (0..3usize).prop_map(Op::Release),
-            (0..3usize).prop_map(Op::Invalidate),
-            Just(Op::InvalidateAll),
         ]
     }
 
     proptest! {
         #[test]
-        fn holders_never_go_negative(
-            persistent in proptest::collection::vec(any::<bool>(), 3),
-            ops in proptest::collection::vec(op(), 0..64),
-        ) {
+        fn holders_never_go_negative(ops in proptest::collection::vec(op(), 0..64)) {
             let mut r = reg(4);
-            for &p in &persistent {
-                add(&mut r, &[7], p);
+            for _ in 0..3 {
+                add(&mut r, &[7]);
             }
             let mut holders = [0usize; 3];
             for op in ops {
                 match op {
                     Op::Start(i) => {
-                        r.start_gather(i).unwrap();
+                        let issue = r.start_gather(i).unwrap();
+                        prop_assert_eq!(issue, holders[i] == 0);
                         holders[i] += 1;
                     }
                     Op::Finish(i) => {
@@ -599,23 +388,19 @@ mod tests {
                     Op::Release(i) => match r.release(i) {
                         Ok(free) => {
                             holders[i] -= 1;
-                            prop_assert!(!free || holders[i] == 0);
-                            prop_assert!(persistent[i] || free == (holders[i] == 0));
+                            prop_assert_eq!(free, holders[i] == 0);
                         }
                         Err(e) => {
                             prop_assert_eq!(holders[i], 0);
                             prop_assert_eq!(e, Error::ReleaseWithoutGather(i));
                         }
                     },
-                    Op::Invalidate(i) => r.invalidate(i).unwrap(),
-                    Op::InvalidateAll => r.invalidate_all(),
                 }
                 for (i, &h) in holders.iter().enumerate() {
                     let p = r.info(i).unwrap();
                     prop_assert_eq!(p.holders, h);
-                    // A held parameter always has a gathered copy on its way or in place.
-                    prop_assert!(h == 0 || p.status != Status::Partitioned);
-                    prop_assert!(p.status != Status::Partitioned || !p.gathered_valid);
+                    // Held if and only if a gathered copy is on its way or in place.
+                    prop_assert_eq!(h == 0, p.status == Status::Partitioned);
                 }
             }
         }

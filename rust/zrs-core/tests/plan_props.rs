@@ -1,6 +1,7 @@
 //! Property tests of the planner on random DAGs: every plan is a permutation, topologically
 //! valid, within the budget (or a BudgetInfeasible error naming a feasible minimum), never slower
-//! than greedy, and the simulator's peak equals a direct recount.
+//! than greedy, the simulator's peak equals a direct recount, and every fused group is one the
+//! runtime can issue (one gathered dtype, each parameter once, at least two members).
 
 use proptest::prelude::*;
 use zrs_core::plan::sim::{recount_peak, validate};
@@ -30,6 +31,8 @@ impl Rng {
 
 /// A random training-like DAG: compute nodes over earlier ones, parameters gathered (with a wait
 /// and a release) around their users, reduce-scatters after some computes; indices shuffled.
+/// Gathers have one of three dtypes (or none), and some gather a parameter gathered before (a tied
+/// weight).
 fn random_graph(seed: u64, n_compute: usize) -> GraphSpec {
     let mut r = Rng(seed | 1);
     let mut nodes: Vec<NodeSpec> = Vec::new();
@@ -49,24 +52,31 @@ fn random_graph(seed: u64, n_compute: usize) -> GraphSpec {
         let n_params = if r.chance(60) { 1 + r.below(2) } else { 0 };
         for _ in 0..n_params {
             let ag = nodes.len();
+            let id = if ds > 0 && r.chance(15) {
+                r.below(ds)
+            } else {
+                ds += 1;
+                ds - 1
+            };
+            let dtype = ["bf16", "f32", ""][r.below(3) as usize];
             nodes.push(NodeSpec {
-                ds_id: Some(ds),
+                ds_id: Some(id),
+                dtype: (!dtype.is_empty()).then(|| format!("torch.{dtype}")),
                 bytes: 1 + r.below(1000),
                 duration_us: if r.chance(20) {
                     Some(r.below(50) as f64)
                 } else {
                     None
                 },
-                ..NodeSpec::new(format!("ag{ds}"), NodeKind::Allgather)
+                ..NodeSpec::new(format!("ag{ag}"), NodeKind::Allgather)
             });
             let w = nodes.len();
             nodes.push(NodeSpec {
-                ds_id: Some(ds),
+                ds_id: Some(id),
                 deps: vec![ag],
-                ..NodeSpec::new(format!("wait{ds}"), NodeKind::Wait)
+                ..NodeSpec::new(format!("wait{ag}"), NodeKind::Wait)
             });
-            waits.push((ds, w));
-            ds += 1;
+            waits.push((id, w));
         }
         deps.extend(waits.iter().map(|x| x.1));
         let c = nodes.len();
@@ -89,7 +99,7 @@ fn random_graph(seed: u64, n_compute: usize) -> GraphSpec {
             nodes.push(NodeSpec {
                 ds_id: Some(d),
                 deps: vec![w, c],
-                ..NodeSpec::new(format!("rel{d}"), NodeKind::Release)
+                ..NodeSpec::new(format!("rel{w}"), NodeKind::Release)
             });
         }
         if r.chance(25) {
@@ -122,7 +132,7 @@ fn random_graph(seed: u64, n_compute: usize) -> GraphSpec {
     }
 }
 
-/// A random topological order and random fused groups of all-gathers.
+/// A random topological order and random fused groups of all-gathers (legal ones).
 fn random_plan(g: &Graph, seed: u64) -> (Vec<u32>, Vec<Vec<u32>>) {
     let mut r = Rng(seed ^ 0x9E37_79B9_7F4A_7C15);
     let n = g.len();
@@ -143,14 +153,14 @@ fn random_plan(g: &Graph, seed: u64) -> (Vec<u32>, Vec<Vec<u32>>) {
     let mut groups = Vec::new();
     let mut cur: Vec<u32> = Vec::new();
     for &v in &order {
-        if g.is_gather(v) && g.deps(v).is_empty() && r.chance(50) {
+        if g.is_gather(v) && g.deps(v).is_empty() && r.chance(50) && g.fusable(&cur, v) {
             cur.push(v);
-            if cur.len() >= 3 || r.chance(30) {
+            if cur.len() >= 3 || (cur.len() >= 2 && r.chance(30)) {
                 groups.push(std::mem::take(&mut cur));
             }
         }
     }
-    if !cur.is_empty() {
+    if cur.len() >= 2 {
         groups.push(cur);
     }
     (order, groups)
@@ -195,6 +205,15 @@ proptest! {
         match plan(&g, Scheduler::Search, Some(budget), &c) {
             Ok(s) => {
                 prop_assert!(validate(&g, &s.order, &s.groups).is_ok());
+                for grp in &s.groups {
+                    prop_assert!(grp.len() >= 2);
+                    let n0 = &g.nodes[grp[0] as usize];
+                    let mut ids: Vec<_> = grp.iter().map(|&m| g.nodes[m as usize].ds_id).collect();
+                    prop_assert!(grp.iter().all(|&m| g.nodes[m as usize].dtype == n0.dtype), "mixed dtypes in {:?}", grp);
+                    ids.sort();
+                    ids.dedup();
+                    prop_assert_eq!(ids.len(), grp.len(), "a parameter twice in {:?}", grp);
+                }
                 prop_assert!(s.sim.peak_bytes <= budget, "peak {} budget {}", s.sim.peak_bytes, budget);
                 prop_assert_eq!(s.sim.peak_bytes, recount_peak(&g, &s.order, &s.groups));
                 if greedy.sim.peak_bytes <= budget {
@@ -202,7 +221,7 @@ proptest! {
                         "search {} greedy {}", s.sim.makespan_us, greedy.sim.makespan_us);
                 }
             }
-            Err(Error::BudgetInfeasible { budget: b, minimal }) => {
+            Err(Error::BudgetInfeasible { budget: b, minimal, base: 0 }) => {
                 prop_assert_eq!(b, budget);
                 prop_assert!(minimal > budget);
                 let s = plan(&g, Scheduler::Search, Some(minimal), &c).unwrap();
@@ -240,4 +259,11 @@ fn invalid_plans_are_rejected() {
     assert!(simulate(&p, &order[1..], &[]).is_err());
     let compute = (0..g.len() as u32).find(|&v| !g.is_gather(v)).unwrap();
     assert!(simulate(&p, &order, &[vec![compute]]).is_err());
+    let gathers: Vec<u32> = order.iter().copied().filter(|&v| g.is_gather(v)).collect();
+    if let Some(&first) = gathers.first() {
+        assert!(
+            simulate(&p, &order, &[vec![first]]).is_err(),
+            "a group of one"
+        );
+    }
 }

@@ -3,6 +3,7 @@
 
 use pyo3::prelude::*;
 use zrs_core::plan;
+use zrs_core::plan::compiled::{self, GraphBudget};
 use zrs_core::plan::cost::CostModel;
 
 use crate::error::ToPyResult;
@@ -23,6 +24,40 @@ fn plan_graph(
         py.allow_threads(|| plan::plan_json(graph_json, scheduler, budget_bytes, cost, detail)),
     )
     .into()
+}
+
+/// Plan a graph that zrs.compile lowered (`plan::compiled`): `budget_bytes` counts what the graph
+/// allocates on top of its `base_bytes`; with `budget_is_free_memory` it is the automatic budget,
+/// also capped near the greedy peak. Returns the plan JSON, `budget_bytes` the planner's budget.
+#[pyfunction]
+#[pyo3(signature = (graph_json, scheduler = "search", budget_bytes = None, budget_is_free_memory = false, cost = None, detail = true))]
+fn plan_compiled(
+    py: Python<'_>,
+    graph_json: &str,
+    scheduler: &str,
+    budget_bytes: Option<u64>,
+    budget_is_free_memory: bool,
+    cost: Option<&str>,
+    detail: bool,
+) -> PyResult<String> {
+    let budget = GraphBudget::new(budget_bytes, budget_is_free_memory);
+    ToPyResult(py.allow_threads(|| {
+        compiled::plan_compiled_json(graph_json, scheduler, budget, cost, detail)
+    }))
+    .into()
+}
+
+/// The cost-model JSON a compiled graph is planned with (`plan::compiled::planning_cost`).
+#[pyfunction]
+#[pyo3(signature = (cost, device_type, world))]
+fn planning_cost(cost: Option<&str>, device_type: &str, world: u32) -> PyResult<String> {
+    ToPyResult(compiled::planning_cost_json(cost, device_type, world)).into()
+}
+
+/// The automatic memory budget for this much free device memory (`plan::compiled::auto_budget`).
+#[pyfunction]
+fn auto_budget(free_bytes: u64) -> u64 {
+    compiled::auto_budget(free_bytes)
 }
 
 /// Plan with both schedulers; the one-line summary of `python -m zrs.plan`.
@@ -78,10 +113,16 @@ fn fit_cost_model(
 }
 
 /// The forward's last-released parameters to keep for the backward (`plan::keep`): releases in
-/// execution order as (ds_id, gathered bytes), and the bytes they may hold.
+/// execution order as (ds_id, gathered bytes), the forward's largest gather, and the bytes an
+/// explicit budget has left over the forward's planned peak (None without one).
 #[pyfunction]
-fn kept_for_backward(releases: Vec<(usize, u64)>, allowance: u64) -> Vec<usize> {
-    plan::keep::kept_for_backward(&releases, allowance)
+#[pyo3(signature = (releases, largest_gather_bytes, budget_left = None))]
+fn kept_for_backward(
+    releases: Vec<(u64, u64)>,
+    largest_gather_bytes: u64,
+    budget_left: Option<i64>,
+) -> Vec<u64> {
+    plan::keep::kept_for_backward(&releases, largest_gather_bytes, budget_left)
 }
 
 /// The per-rank elements of each gradient's bucket (`plan::grad_buckets`): the gradients'
@@ -95,6 +136,13 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(grad_buckets, m)?)?;
     m.add_function(wrap_pyfunction!(kept_for_backward, m)?)?;
     m.add_function(wrap_pyfunction!(plan_graph, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_compiled, m)?)?;
+    m.add_function(wrap_pyfunction!(planning_cost, m)?)?;
+    m.add_function(wrap_pyfunction!(auto_budget, m)?)?;
+    m.add(
+        "PREFETCH_ALLOWANCE_GATHERS",
+        plan::PREFETCH_ALLOWANCE_GATHERS,
+    )?;
     m.add_function(wrap_pyfunction!(compare_plans, m)?)?;
     m.add_function(wrap_pyfunction!(chrome_trace, m)?)?;
     m.add_function(wrap_pyfunction!(synthetic_graph, m)?)?;

@@ -2,7 +2,7 @@
 
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
-use zrs_core::registry::{self, ParamId};
+use zrs_core::registry::{self, Slot};
 
 use crate::error::ToPyResult;
 
@@ -10,7 +10,7 @@ use crate::error::ToPyResult;
 #[pyclass(frozen, module = "zrs._core")]
 pub struct ParamInfo {
     #[pyo3(get)]
-    ds_id: ParamId,
+    slot: Slot,
     shape: Vec<usize>,
     #[pyo3(get)]
     numel: usize,
@@ -23,13 +23,9 @@ pub struct ParamInfo {
     #[pyo3(get)]
     dtype: String,
     #[pyo3(get)]
-    persistent: bool,
-    #[pyo3(get)]
     requires_grad: bool,
     #[pyo3(get)]
     status: &'static str,
-    #[pyo3(get)]
-    gathered_valid: bool,
     #[pyo3(get)]
     holders: usize,
 }
@@ -37,17 +33,15 @@ pub struct ParamInfo {
 impl From<&registry::ParamInfo> for ParamInfo {
     fn from(p: &registry::ParamInfo) -> Self {
         Self {
-            ds_id: p.ds_id,
+            slot: p.slot,
             shape: p.shape.clone(),
             numel: p.numel,
             shard_rows: p.shard_rows,
             padded_numel: p.padded_numel,
             shard_numel: p.shard_numel,
             dtype: p.dtype.clone(),
-            persistent: p.persistent,
             requires_grad: p.requires_grad,
             status: p.status.as_str(),
-            gathered_valid: p.gathered_valid,
             holders: p.holders,
         }
     }
@@ -63,13 +57,13 @@ impl ParamInfo {
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         let shape = self.shape(py)?.repr()?;
         Ok(format!(
-            "ParamInfo(ds_id={}, shape={shape}, dtype='{}', status='{}', holders={})",
-            self.ds_id, self.dtype, self.status, self.holders
+            "ParamInfo(slot={}, shape={shape}, dtype='{}', status='{}', holders={})",
+            self.slot, self.dtype, self.status, self.holders
         ))
     }
 }
 
-/// Sizes and gather state of every sharded parameter, keyed by ds_id.
+/// Sizes and gather state of every sharded parameter of one model, keyed by slot.
 #[pyclass(name = "Registry", module = "zrs._core")]
 pub struct PyRegistry(registry::Registry);
 
@@ -80,81 +74,38 @@ impl PyRegistry {
         ToPyResult(registry::Registry::new(world_size).map(Self)).into_py()
     }
 
-    #[getter]
-    fn world_size(&self) -> usize {
-        self.0.world_size()
-    }
-
-    #[pyo3(signature = (shape, dtype, persistent = false, requires_grad = true))]
+    #[pyo3(signature = (shape, dtype, requires_grad = true))]
     fn register(
         &mut self,
         shape: Vec<usize>,
         dtype: String,
-        persistent: bool,
         requires_grad: bool,
-    ) -> PyResult<ParamId> {
-        ToPyResult(self.0.register(shape, dtype, persistent, requires_grad)).into_py()
+    ) -> PyResult<Slot> {
+        ToPyResult(self.0.register(shape, dtype, requires_grad)).into_py()
     }
 
-    fn info(&self, ds_id: ParamId) -> PyResult<ParamInfo> {
-        ToPyResult(self.0.info(ds_id).map(ParamInfo::from)).into_py()
+    fn info(&self, slot: Slot) -> PyResult<ParamInfo> {
+        ToPyResult(self.0.info(slot).map(ParamInfo::from)).into_py()
     }
 
-    fn local_rows(&self, ds_id: ParamId, rank: usize) -> PyResult<usize> {
-        ToPyResult(self.0.local_rows(ds_id, rank)).into_py()
+    fn local_rows(&self, slot: Slot, rank: usize) -> PyResult<usize> {
+        ToPyResult(self.0.local_rows(slot, rank)).into_py()
     }
 
-    fn start_gather(&mut self, ds_id: ParamId) -> PyResult<bool> {
-        ToPyResult(self.0.start_gather(ds_id)).into_py()
+    fn start_gather(&mut self, slot: Slot) -> PyResult<bool> {
+        ToPyResult(self.0.start_gather(slot)).into_py()
     }
 
-    fn finish_gather(&mut self, ds_id: ParamId) -> PyResult<()> {
-        ToPyResult(self.0.finish_gather(ds_id)).into_py()
+    fn finish_gather(&mut self, slot: Slot) -> PyResult<()> {
+        ToPyResult(self.0.finish_gather(slot)).into_py()
     }
 
-    fn release(&mut self, ds_id: ParamId) -> PyResult<bool> {
-        ToPyResult(self.0.release(ds_id)).into_py()
-    }
-
-    fn invalidate(&mut self, ds_id: ParamId) -> PyResult<()> {
-        ToPyResult(self.0.invalidate(ds_id)).into_py()
-    }
-
-    fn invalidate_all(&mut self) {
-        self.0.invalidate_all();
+    fn release(&mut self, slot: Slot) -> PyResult<bool> {
+        ToPyResult(self.0.release(slot)).into_py()
     }
 
     fn drop_all_gathers(&mut self) -> usize {
         self.0.drop_all_gathers()
-    }
-
-    fn set_uses(&mut self, graph_id: usize, ds_id: ParamId, n: usize) -> PyResult<()> {
-        ToPyResult(self.0.set_uses(graph_id, ds_id, n)).into_py()
-    }
-
-    fn uses(&self, graph_id: usize, ds_id: ParamId) -> PyResult<usize> {
-        ToPyResult(self.0.uses(graph_id, ds_id)).into_py()
-    }
-
-    fn ids(&self) -> Vec<ParamId> {
-        self.0.ids().collect()
-    }
-
-    fn __len__(&self) -> usize {
-        self.0.len()
-    }
-
-    // Signed so that `-1 in registry` is False instead of an OverflowError.
-    fn __contains__(&self, ds_id: i64) -> bool {
-        ParamId::try_from(ds_id).is_ok_and(|id| self.0.contains(id))
-    }
-
-    fn total_numel(&self) -> usize {
-        self.0.total_numel()
-    }
-
-    fn total_shard_numel(&self) -> usize {
-        self.0.total_shard_numel()
     }
 }
 

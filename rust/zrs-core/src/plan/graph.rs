@@ -4,7 +4,7 @@
 //!
 //! ```json
 //! {"nodes": [
-//!    {"name": "ag_w", "kind": "allgather", "ds_id": 3, "bytes": 8388608},
+//!    {"name": "ag_w", "kind": "allgather", "ds_id": 3, "bytes": 8388608, "dtype": "torch.bfloat16"},
 //!    {"name": "wait_w", "kind": "wait", "ds_id": 3, "deps": [0]},
 //!    {"name": "mm", "kind": "compute", "deps": [1], "duration_us": 98.0, "alloc_bytes": 33554432},
 //!    {"name": "rel_w", "kind": "release", "ds_id": 3, "deps": [1, 2]}
@@ -18,10 +18,18 @@
 //! other node allocates and frees nothing unless told. Collectives without `duration_us` take
 //! their duration from the cost model. A `wait` or `release` is matched to the nearest ancestor
 //! `allgather` (through a `wait`) with the same `ds_id`.
+//!
+//! An all-gather's optional `dtype` names the dtype it gathers to (any string; Python writes
+//! `"torch.bfloat16"`). A fused prefetch group is one collective into one buffer, so its members
+//! share one dtype (a gather without `dtype` fuses only with others without), and it gathers a
+//! parameter at most once ([`Graph::fusable`]).
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+
+/// The process-wide parameter id that the compiled graph's ops carry (not a registry slot).
+pub type DsId = u64;
 
 /// "No node" in the u32 index arrays.
 pub const NONE: u32 = u32::MAX;
@@ -105,11 +113,14 @@ pub struct NodeSpec {
     pub free_bytes: Option<u64>,
     /// Parameter id of all-gather, wait and release nodes (and reduce-scatters, for reference).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ds_id: Option<u64>,
+    pub ds_id: Option<DsId>,
     /// Payload of a collective: full gathered bytes for an all-gather, full gradient bytes for a
     /// reduce-scatter.
     #[serde(default)]
     pub bytes: u64,
+    /// The dtype an all-gather gathers to: only gathers of one dtype fuse.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<String>,
 }
 
 impl NodeSpec {
@@ -124,6 +135,7 @@ impl NodeSpec {
             free_bytes: None,
             ds_id: None,
             bytes: 0,
+            dtype: None,
         }
     }
 }
@@ -169,8 +181,10 @@ pub struct Node {
     pub duration_us: Option<f64>,
     pub alloc: u64,
     pub free: u64,
-    pub ds_id: Option<u64>,
+    pub ds_id: Option<DsId>,
     pub bytes: u64,
+    /// Index into [`Graph::dtypes`] of the gathered dtype, if the IR named one.
+    pub dtype: Option<u32>,
 }
 
 /// A validated, indexed graph: deps and users in CSR form, a topological order, and for every
@@ -194,6 +208,8 @@ pub struct Graph {
     pub budget_bytes: Option<u64>,
     pub base_bytes: u64,
     pub world: Option<u32>,
+    /// The distinct dtype names of the IR, in order of first appearance.
+    pub dtypes: Vec<String>,
 }
 
 impl Graph {
@@ -231,6 +247,26 @@ impl Graph {
         self.nodes[v as usize].kind == NodeKind::Allgather
     }
 
+    /// Whether all-gather `x` may join a fused group whose members are `members`: the same
+    /// gathered dtype as theirs (both none counts as the same) and a parameter not yet in it.
+    pub fn fusable(&self, members: &[u32], x: u32) -> bool {
+        let n = &self.nodes[x as usize];
+        members.iter().all(|&m| {
+            let o = &self.nodes[m as usize];
+            o.dtype == n.dtype && o.ds_id != n.ds_id
+        })
+    }
+
+    /// Bytes of the largest all-gather (0 without any).
+    pub fn largest_gather_bytes(&self) -> u64 {
+        self.nodes
+            .iter()
+            .filter(|n| n.kind == NodeKind::Allgather)
+            .map(|n| n.bytes)
+            .max()
+            .unwrap_or(0)
+    }
+
     /// A graph input: no deps, no time (an FX placeholder, e.g. a parameter's shard).
     pub fn is_input(&self, v: u32) -> bool {
         self.kind(v) == NodeKind::Other && self.deps(v).is_empty()
@@ -252,6 +288,7 @@ impl Graph {
         let mut dep_idx = Vec::new();
         dep_off.push(0u32);
         let mut indeg = vec![0u32; n];
+        let mut dtypes: Vec<String> = Vec::new();
         for (i, ns) in spec.nodes.iter().enumerate() {
             if let Some(d) = ns.duration_us {
                 if !d.is_finite() || d < 0.0 {
@@ -299,6 +336,13 @@ impl Graph {
                 None if ns.kind == NodeKind::Allgather => ns.bytes,
                 None => 0,
             };
+            let dtype = ns.dtype.as_ref().map(|d| {
+                let k = dtypes.iter().position(|x| x == d).unwrap_or_else(|| {
+                    dtypes.push(d.clone());
+                    dtypes.len() - 1
+                });
+                k as u32
+            });
             nodes.push(Node {
                 kind: ns.kind,
                 stream: ns.stream.unwrap_or(ns.kind.default_stream()),
@@ -307,6 +351,7 @@ impl Graph {
                 free: ns.free_bytes.unwrap_or(0),
                 ds_id: ns.ds_id,
                 bytes: ns.bytes,
+                dtype,
             });
         }
         // Users (CSR).
@@ -378,6 +423,7 @@ impl Graph {
             budget_bytes: spec.budget_bytes,
             base_bytes: spec.base_bytes,
             world: spec.world,
+            dtypes,
         };
         g.match_gathers(&spec)?;
         Ok(g)
@@ -423,11 +469,9 @@ impl Graph {
                 }
             }
             if found == NONE {
-                let id = ds.unwrap_or(0) as usize;
-                return Err(if kind == NodeKind::Wait {
-                    Error::WaitWithoutGather(id)
-                } else {
-                    Error::ReleaseWithoutGather(id)
+                return Err(Error::UngatheredParam {
+                    kind: kind.as_str(),
+                    ds_id: ds.unwrap_or(0),
                 });
             }
             self.gather_of[v as usize] = found;
@@ -464,6 +508,7 @@ impl Graph {
                         free_bytes: Some(n.free),
                         ds_id: n.ds_id,
                         bytes: n.bytes,
+                        dtype: n.dtype.map(|k| self.dtypes[k as usize].clone()),
                     }
                 })
                 .collect(),

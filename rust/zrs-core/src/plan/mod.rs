@@ -8,12 +8,16 @@
 //! - [`search`]: budget-aware list scheduling plus a simulator-scored search; never worse.
 //! - [`buckets`]: fused prefetch buckets from the comm model.
 //! - [`keep`]: which gathered parameters a forward keeps for its backward.
+//! - [`compiled`]: what `zrs.compile` plans a lowered graph with: the cost model with its
+//!   planning margin, the automatic memory budget and its cap.
 //! - [`grad_buckets`]: which consecutive gradients share one reduce-scatter.
 //! - [`synth`]: synthetic transformer graphs; [`trace`]: Chrome trace and memory series.
 //!
-//! One call plans one graph: [`plan`] (Rust) or [`plan_json`] (the JSON boundary used by Python).
+//! One call plans one graph: [`plan`] (Rust) or [`plan_json`] (the JSON boundary used by Python);
+//! a graph that `zrs.compile` lowered: [`compiled::plan_compiled`].
 
 pub mod buckets;
+pub mod compiled;
 pub mod cost;
 pub mod grad_buckets;
 pub mod graph;
@@ -30,11 +34,17 @@ use std::time::Instant;
 use serde::Serialize;
 use serde_json::{json, Value};
 
+pub use compiled::{plan_compiled, GraphBudget};
 pub use cost::{CostModel, LinkModel};
-pub use graph::{Graph, GraphSpec, NodeKind, NodeSpec, Stream};
+pub use graph::{DsId, Graph, GraphSpec, NodeKind, NodeSpec, Stream};
 pub use sim::{simulate, Problem, SimResult};
 
 use crate::error::{Error, Result};
+
+/// How many of a graph's largest all-gather may be prefetched ahead at once: the search's prefetch
+/// window, the cap of an automatic budget over the greedy peak ([`GraphBudget::FreeMemory`]) and
+/// what a forward may keep gathered for its backward ([`keep::keep_allowance`]).
+pub const PREFETCH_ALLOWANCE_GATHERS: u64 = 2;
 
 /// Which scheduler to run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,18 +117,19 @@ impl Plan {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn finish(
     p: &Problem,
     scheduler: Scheduler,
     variant: String,
     order: Vec<u32>,
     groups: Vec<Vec<u32>>,
+    sim: SimResult,
     budget: Option<u64>,
     t0: Instant,
-) -> Result<Plan> {
+) -> Plan {
     let plan_us = t0.elapsed().as_secs_f64() * 1e6;
-    let sim = simulate(p, &order, &groups)?;
-    Ok(Plan {
+    Plan {
         scheduler: scheduler.as_str().into(),
         variant,
         nodes: p.len(),
@@ -129,7 +140,7 @@ fn finish(
         plan_us,
         cost_model: p.cost.clone(),
         sim,
-    })
+    }
 }
 
 /// Plan one graph. The budget is `budget`, else the graph's `budget_bytes`, else (for the
@@ -144,19 +155,39 @@ pub fn plan(
     let t0 = Instant::now();
     let p = Problem::new(g, cost);
     let greedy_order = greedy::greedy_order(g, &p.dur);
-    let budget = budget.or(g.budget_bytes);
+    let gsim = sim::simulate(&p, &greedy_order, &[])?;
+    plan_with_greedy(
+        &p,
+        scheduler,
+        greedy_order,
+        gsim,
+        budget.or(g.budget_bytes),
+        t0,
+    )
+}
+
+/// [`plan`] given the greedy baseline's order and its simulation.
+fn plan_with_greedy(
+    p: &Problem,
+    scheduler: Scheduler,
+    greedy_order: Vec<u32>,
+    gsim: SimResult,
+    budget: Option<u64>,
+    t0: Instant,
+) -> Result<Plan> {
+    let g = p.g;
     match scheduler {
-        Scheduler::Greedy => finish(
-            &p,
+        Scheduler::Greedy => Ok(finish(
+            p,
             scheduler,
             "greedy".into(),
             greedy_order,
             Vec::new(),
+            gsim,
             budget,
             t0,
-        ),
+        )),
         Scheduler::Search => {
-            let gsim = sim::simulate(&p, &greedy_order, &[])?;
             let budget = budget.unwrap_or(gsim.peak_bytes);
             let greedy = search::Candidate {
                 order: greedy_order,
@@ -165,16 +196,19 @@ pub fn plan(
                 label: "greedy".into(),
             };
             let opts = search::SearchOptions::for_size(g.len());
-            let r = search::search(&p, budget, &greedy, &opts)?;
-            finish(
-                &p,
+            let r = search::search(p, budget, &greedy, &opts)?;
+            // The search's candidates are simulated without the memory series; the plan has it.
+            let sim = simulate(p, &r.best.order, &r.best.groups)?;
+            Ok(finish(
+                p,
                 scheduler,
                 r.best.label,
                 r.best.order,
                 r.best.groups,
+                sim,
                 Some(budget),
                 t0,
-            )
+            ))
         }
     }
 }
@@ -207,15 +241,19 @@ pub fn plan_json(
     let g = Graph::from_json(graph_json)?;
     let cost = cost_for(&g, cost)?;
     let plan = plan(&g, scheduler.parse()?, budget, &cost)?;
-    let v = if detail {
-        serde_json::to_value(&plan).expect("Plan serializes")
+    Ok(plan_json_value(&plan, detail).to_string())
+}
+
+/// A plan as JSON: with `detail` everything, else the summary with the order and groups.
+fn plan_json_value(plan: &Plan, detail: bool) -> Value {
+    if detail {
+        serde_json::to_value(plan).expect("Plan serializes")
     } else {
         let mut s = plan.summary();
         s["order"] = json!(plan.order);
         s["groups"] = json!(plan.groups);
         s
-    };
-    Ok(v.to_string())
+    }
 }
 
 /// Both schedulers on one graph, as the `python -m zrs.plan` line reports them.
@@ -306,7 +344,11 @@ mod tests {
         let cost = CostModel::nvlink(2);
         let err = plan(&g, Scheduler::Search, Some(1), &cost).unwrap_err();
         match err {
-            Error::BudgetInfeasible { budget, minimal } => {
+            Error::BudgetInfeasible {
+                budget,
+                minimal,
+                base: 0,
+            } => {
                 assert_eq!(budget, 1);
                 assert!(minimal > 1);
                 // The named minimum is feasible.
@@ -345,7 +387,16 @@ mod tests {
             false,
         )
         .unwrap_err();
-        assert!(matches!(e, Error::ReleaseWithoutGather(4)), "{e}");
+        assert!(
+            matches!(
+                e,
+                Error::UngatheredParam {
+                    kind: "release",
+                    ds_id: 4
+                }
+            ),
+            "{e}"
+        );
         let e = plan_json(r#"{"nodes":[]}"#, "beam", None, None, false).unwrap_err();
         assert!(e.to_string().contains("unknown scheduler"), "{e}");
     }

@@ -11,7 +11,10 @@
 //!    segment tree says the memory from this slot up to the gather's just-in-time slot stays
 //!    within the budget, optionally limited by a look-ahead horizon and by a memory-pressure rule
 //!    (past half the budget, issue only when the comm stream is idle). Gathers issued at one slot
-//!    form fused buckets while the comm model says they are latency-bound ([`FusePolicy`]).
+//!    form fused buckets while the comm model says they are latency-bound ([`FusePolicy`]) and
+//!    the runtime can fuse them (one gathered dtype, each parameter once: `Graph::fusable`): one
+//!    bucket is open per dtype at a slot, and a gather that cannot join its dtype's bucket starts
+//!    the next one. The simulated buckets are the ones the runtime issues.
 //!    With a FIFO comm stream, issuing a gather earlier never delays another one, so "as early as
 //!    the budget allows" is the latency-hiding choice; the horizon and pressure variants trade
 //!    some of it for a lower peak.
@@ -293,13 +296,21 @@ fn build_base(p: &Problem, greedy: &[u32]) -> Base {
     }
 }
 
-/// List-schedule one variant: returns the order and the fused groups (>= 2 members).
 /// Bytes of gathers issued ahead of their just-in-time slot at any one time, in units of the
-/// graph's largest gather (the prefetch window; Python's `PREFETCH_ALLOWANCE_GATHERS`). The memory
+/// graph's largest gather (the prefetch window, [`super::PREFETCH_ALLOWANCE_GATHERS`]). The memory
 /// budget alone did not bound it: a forward's saved activations grow to its end, so its start has
 /// that much headroom, and the search filled it with gathers (a stack of 6 biased layers held 4
 /// gathered where released-at-last-use holds 1).
-pub const PREFETCH_WINDOW_GATHERS: i64 = 2;
+pub const PREFETCH_WINDOW_GATHERS: i64 = super::PREFETCH_ALLOWANCE_GATHERS as i64;
+
+/// List-schedule one variant: returns the order and the fused groups (>= 2 members).
+/// A fused bucket being formed at one slot.
+struct Bucket {
+    members: Vec<u32>,
+    bytes: u64,
+    start: f64,
+    end: f64,
+}
 
 fn construct(p: &Problem, base: &Base, budget: i64, v: &Variant) -> (Vec<u32>, Vec<Vec<u32>>) {
     let g = p.g;
@@ -334,15 +345,21 @@ fn construct(p: &Problem, base: &Base, budget: i64, v: &Variant) -> (Vec<u32>, V
         } else {
             0.0
         };
-        // The bucket issued at this slot: (members, start, bytes).
-        let mut bucket: Vec<u32> = Vec::new();
-        let mut b_start = 0.0f64;
-        let mut b_bytes = 0u64;
+        // The buckets issued at this slot, in issue order: at most one open per gathered dtype.
+        let mut open: Vec<Bucket> = Vec::new();
         while j < base.fifo.len() {
             let x = base.fifo[j];
             let jx = base.jit[x as usize] as usize;
             let forced = jx <= k;
             let alloc = g.nodes[x as usize].alloc as i64;
+            let bytes = g.nodes[x as usize].bytes;
+            let dtype = g.nodes[x as usize].dtype;
+            let same = open
+                .iter()
+                .position(|b| g.nodes[b.members[0] as usize].dtype == dtype);
+            let joins = same.is_some_and(|i| {
+                policy.fuse(open[i].bytes, bytes) && g.fusable(&open[i].members, x)
+            });
             if !forced {
                 if base.earliest[x as usize] as usize > k {
                     break;
@@ -350,8 +367,8 @@ fn construct(p: &Problem, base: &Base, budget: i64, v: &Variant) -> (Vec<u32>, V
                 if seg.max(k, jx) + alloc > budget || early + alloc > window {
                     break;
                 }
-                // A latency-bound gather may always ride along with the bucket being issued.
-                let rides = !bucket.is_empty() && policy.fuse(b_bytes, g.nodes[x as usize].bytes);
+                // A latency-bound gather may always ride along with a bucket being issued.
+                let rides = joins;
                 // Horizon: the comm queue already reaches past the next slot by this much.
                 let queued = free[agi].max(now) - now - step;
                 if !rides && !v.alap && v.horizon_us.is_finite() && queued > v.horizon_us {
@@ -374,27 +391,41 @@ fn construct(p: &Problem, base: &Base, budget: i64, v: &Variant) -> (Vec<u32>, V
             for &d in g.deps(x) {
                 ready = ready.max(end[d as usize]);
             }
-            let bytes = g.nodes[x as usize].bytes;
-            if !bucket.is_empty() && policy.fuse(b_bytes, bytes) {
-                bucket.push(x);
-                b_bytes += bytes;
-                b_start = b_start.max(ready);
-                let en = b_start + p.group_dur(&bucket);
-                for &y in &bucket {
-                    end[y as usize] = en;
+            match same {
+                Some(i) if joins => {
+                    // The bucket grows; it and the buckets issued after it end later.
+                    let b = &mut open[i];
+                    b.members.push(x);
+                    b.bytes += bytes;
+                    b.start = b.start.max(ready);
+                    let delta = b.start + p.group_dur(&b.members) - b.end;
+                    for b in &mut open[i..] {
+                        b.end += delta;
+                        for &y in &b.members {
+                            end[y as usize] = b.end;
+                        }
+                    }
+                    free[agi] += delta;
                 }
-                free[agi] = en;
-            } else {
-                if bucket.len() > 1 {
-                    groups.push(std::mem::take(&mut bucket));
+                _ => {
+                    // A new bucket; the one of this dtype, if any, is complete.
+                    if let Some(i) = same {
+                        let done = open.remove(i);
+                        if done.members.len() > 1 {
+                            groups.push(done.members);
+                        }
+                    }
+                    let start = ready.max(free[agi]);
+                    let en = start + p.dur[x as usize];
+                    end[x as usize] = en;
+                    free[agi] = en;
+                    open.push(Bucket {
+                        members: vec![x],
+                        bytes,
+                        start,
+                        end: en,
+                    });
                 }
-                bucket.clear();
-                bucket.push(x);
-                b_bytes = bytes;
-                b_start = ready.max(free[agi]);
-                let en = b_start + p.dur[x as usize];
-                end[x as usize] = en;
-                free[agi] = en;
             }
             if !forced {
                 seg.add(k, jx, alloc);
@@ -404,9 +435,11 @@ fn construct(p: &Problem, base: &Base, budget: i64, v: &Variant) -> (Vec<u32>, V
             order.push(x);
             j += 1;
         }
-        if bucket.len() > 1 {
-            groups.push(bucket);
-        }
+        groups.extend(
+            open.into_iter()
+                .filter(|b| b.members.len() > 1)
+                .map(|b| b.members),
+        );
         if k == m {
             break;
         }
@@ -668,7 +701,11 @@ pub fn search(
     let base_peak = base.peak.max(0) as u64;
     let minimal = base_peak.min(greedy.sim.peak_bytes);
     if budget < minimal {
-        return Err(Error::BudgetInfeasible { budget, minimal });
+        return Err(Error::BudgetInfeasible {
+            budget,
+            minimal,
+            base: 0,
+        });
     }
     let greedy_fits = greedy.sim.peak_bytes <= budget;
     let mut evals = 0usize;
@@ -738,4 +775,125 @@ pub fn search(
         base_peak,
         evals,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::graph::{Graph, GraphSpec, NodeKind, NodeSpec};
+    use super::super::{plan, CostModel, Scheduler};
+
+    /// `layers` ops, each using a weight (bf16) and a bias (f32), every parameter gathered right
+    /// before its op and released after it; `tied` names the weight of layers 0 and 1 as one
+    /// parameter, gathered twice.
+    fn layered(layers: usize, tied: bool) -> Graph {
+        let mut s = GraphSpec {
+            world: Some(2),
+            ..GraphSpec::default()
+        };
+        let mut prev: Option<usize> = None;
+        for l in 0..layers {
+            let mut waits = Vec::new();
+            let params = [
+                (
+                    if tied && l == 1 { 0 } else { 2 * l as u64 },
+                    64 << 10,
+                    "torch.bfloat16",
+                ),
+                (2 * l as u64 + 1, 4 << 10, "torch.float32"),
+            ];
+            for (ds, bytes, dtype) in params {
+                let ag = s.push(NodeSpec {
+                    ds_id: Some(ds),
+                    bytes,
+                    dtype: Some(dtype.into()),
+                    ..NodeSpec::new(format!("ag{l}.{ds}"), NodeKind::Allgather)
+                }) as usize;
+                let w = s.push(NodeSpec {
+                    ds_id: Some(ds),
+                    deps: vec![ag],
+                    ..NodeSpec::new(format!("wait{l}.{ds}"), NodeKind::Wait)
+                }) as usize;
+                waits.push((ds, w));
+            }
+            let mut deps: Vec<usize> = waits.iter().map(|w| w.1).collect();
+            deps.extend(prev);
+            let op = s.push(NodeSpec {
+                deps,
+                duration_us: Some(1.0), // latency-bound gathers: fusing pays
+                alloc_bytes: Some(1 << 10),
+                ..NodeSpec::new(format!("op{l}"), NodeKind::Compute)
+            }) as usize;
+            for (ds, w) in waits {
+                s.push(NodeSpec {
+                    ds_id: Some(ds),
+                    deps: vec![w, op],
+                    ..NodeSpec::new(format!("rel{l}.{ds}"), NodeKind::Release)
+                });
+            }
+            prev = Some(op);
+        }
+        Graph::new(s).unwrap()
+    }
+
+    #[test]
+    fn mixed_dtypes_never_share_a_group() {
+        let g = layered(6, false);
+        let cost = CostModel::nvlink(2);
+        let p = plan(&g, Scheduler::Search, Some(1 << 30), &cost).unwrap();
+        assert!(!p.groups.is_empty(), "the gathers still fuse, per dtype");
+        for grp in &p.groups {
+            assert!(grp.len() >= 2, "{grp:?}");
+            let d0 = g.nodes[grp[0] as usize].dtype;
+            assert!(
+                grp.iter().all(|&m| g.nodes[m as usize].dtype == d0),
+                "mixed dtypes in {:?}",
+                grp.iter()
+                    .map(|&m| &g.names[m as usize])
+                    .collect::<Vec<_>>()
+            );
+        }
+        // Both dtypes are fused (one bucket open per dtype at a slot).
+        let fused: std::collections::HashSet<_> = p
+            .groups
+            .iter()
+            .map(|grp| g.nodes[grp[0] as usize].dtype)
+            .collect();
+        assert_eq!(fused.len(), 2, "{:?}", p.groups);
+    }
+
+    #[test]
+    fn a_parameter_is_never_twice_in_one_group() {
+        let cost = CostModel::nvlink(2);
+        // Untied, the weights of layers 0 and 1 are fused together...
+        let g = layered(6, false);
+        let p = plan(&g, Scheduler::Search, Some(1 << 30), &cost).unwrap();
+        let name = |g: &Graph, v: u32| g.names[v as usize].clone();
+        let together = |g: &Graph, groups: &[Vec<u32>], a: &str, b: &str| {
+            groups.iter().any(|grp| {
+                grp.iter().any(|&m| name(g, m) == a) && grp.iter().any(|&m| name(g, m) == b)
+            })
+        };
+        assert!(together(&g, &p.groups, "ag0.0", "ag1.2"), "{:?}", p.groups);
+        // ...tied, the two gathers of one parameter are not.
+        let g = layered(6, true);
+        let p = plan(&g, Scheduler::Search, Some(1 << 30), &cost).unwrap();
+        assert!(!together(&g, &p.groups, "ag0.0", "ag1.0"), "{:?}", p.groups);
+        for grp in &p.groups {
+            let mut ids: Vec<_> = grp.iter().map(|&m| g.nodes[m as usize].ds_id).collect();
+            ids.sort();
+            ids.dedup();
+            assert_eq!(ids.len(), grp.len(), "{grp:?}");
+        }
+    }
+
+    #[test]
+    fn the_ir_dtype_round_trips() {
+        let g = layered(2, false);
+        assert_eq!(g.dtypes, vec!["torch.bfloat16", "torch.float32"]);
+        let spec = g.to_spec();
+        assert_eq!(spec.nodes[0].dtype.as_deref(), Some("torch.bfloat16"));
+        assert!(spec.to_json().contains("\"dtype\":\"torch.float32\""));
+        let back = Graph::new(GraphSpec::from_json(&spec.to_json()).unwrap()).unwrap();
+        assert_eq!(back.nodes, g.nodes);
+    }
 }

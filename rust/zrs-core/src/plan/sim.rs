@@ -97,7 +97,8 @@ pub struct SimResult {
 }
 
 /// Check that `order` is a permutation and topological once every group is moved to its first
-/// member, and that groups are disjoint sets of all-gathers. Returns each node's group (or NONE)
+/// member, and that groups are disjoint sets of at least two all-gathers that may fuse (one
+/// gathered dtype, each parameter once: [`Graph::fusable`]). Returns each node's group (or NONE)
 /// and its position.
 pub fn validate(g: &Graph, order: &[u32], groups: &[Vec<u32>]) -> Result<(Vec<u32>, Vec<u32>)> {
     let n = g.len();
@@ -125,11 +126,14 @@ pub fn validate(g: &Graph, order: &[u32], groups: &[Vec<u32>]) -> Result<(Vec<u3
     let mut group_of = vec![NONE; n];
     let mut eff = pos.clone();
     for (gi, grp) in groups.iter().enumerate() {
-        if grp.is_empty() {
-            return Err(Error::Invalid(format!("prefetch group {gi} is empty")));
+        if grp.len() < 2 {
+            return Err(Error::Invalid(format!(
+                "prefetch group {gi} has {} member(s); a fused group has at least two",
+                grp.len()
+            )));
         }
         let mut lead = u32::MAX;
-        for &m in grp {
+        for (k, &m) in grp.iter().enumerate() {
             if m as usize >= n {
                 return Err(Error::Invalid(format!(
                     "prefetch group {gi} names node #{m}, but the graph has {n} nodes"
@@ -144,6 +148,13 @@ pub fn validate(g: &Graph, order: &[u32], groups: &[Vec<u32>]) -> Result<(Vec<u3
             if group_of[m as usize] != NONE {
                 return Err(Error::Invalid(format!(
                     "all-gather '{}' (#{m}) is in two prefetch groups",
+                    g.names[m as usize]
+                )));
+            }
+            if !g.fusable(&grp[..k], m) {
+                return Err(Error::Invalid(format!(
+                    "prefetch group {gi} cannot fuse all-gather '{}' (#{m}): its members must \
+                     share one gathered dtype and name each parameter once",
                     g.names[m as usize]
                 )));
             }

@@ -1,0 +1,145 @@
+"""Parameter handles and the process index: what the ops find from the integers in the graphs.
+
+Each model's `ZeroState` owns its `ParamHandle`s; `LIVE` maps a ds_id to its handle and knows
+the live models, weakly, so dropping a model frees it (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from zrs._core import ZrsError
+
+if TYPE_CHECKING:
+    from zrs.runtime.state import ZeroState
+
+
+@dataclass(eq=False)
+class ParamHandle:
+    """What the ops need about one sharded parameter, keyed by its process-wide `ds_id`.
+
+    Two tensors share the shard's storage: `shard`, the flat, padded leaf that the gathers read
+    (the graphs' input), and `param`, the module's parameter that users and optimizers see: a
+    DTensor `Shard(0)` over the full shape whose local tensor is this rank's real rows (the whole
+    tensor, plain, without torch.distributed). Gradients land in `param.grad`."""
+
+    ds_id: int
+    slot: int  # its place in the model's registry
+    state: ZeroState
+    shard: torch.Tensor
+    param: nn.Parameter
+    shape: tuple[int, ...]
+    numel: int
+    padded_numel: int
+    shard_numel: int
+    local_numel: int  # this rank's real elements: the first of `shard`, the rest is padding
+    local_shape: tuple[int, ...]
+    spec: DTensorSpec | None  # the parameter's (and its gradient's) DTensor spec
+    name: str = ""  # its qualified name in the model, for error messages
+
+
+class Live:
+    """The process's index from the integers in the compiled graphs to the objects that own the
+    state: ds_id -> its ParamHandle, and the live models, for the optimizer hooks. It holds them
+    weakly and owns nothing (a model's ZeroState owns its handles): dropping a model frees it."""
+
+    def __init__(self) -> None:
+        self.handles: weakref.WeakValueDictionary[int, ParamHandle] = weakref.WeakValueDictionary()
+        self.states: weakref.WeakSet[ZeroState] = weakref.WeakSet()
+        # ds_ids are process-wide: every rank registers the same parameters in the same order.
+        self.ds_ids = itertools.count()
+        # zrs.compile calls, which name their store meetings: every rank counts alike.
+        self.compile_calls = itertools.count()
+        self.optimizer_hooks: list[object] = []
+
+    def add(self, state: ZeroState) -> None:
+        self.states.add(state)
+        if not self.optimizer_hooks:
+            # Before any torch.optim step free the kept copies (a step is where shards change,
+            # and one that writes through `.data` bumps no version counter, which
+            # `gather._claim_kept` checks); after it count the step for the models it trains.
+            self.optimizer_hooks = [
+                register_optimizer_step_pre_hook(self._before_optimizer_step),
+                register_optimizer_step_post_hook(self._after_optimizer_step),
+            ]
+
+    def models(self) -> list[ZeroState]:
+        return list(self.states)
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
+        from zrs.runtime.gather import drop_kept  # gather builds on this module
+
+        for state in self.models():
+            if state.step.kept:
+                drop_kept(state)
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
+        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for state in self.models():
+            if any(id(h.param) in ids for h in state.handles):
+                state.optimizer_steps += 1
+
+
+LIVE = Live()
+
+
+def add_handle(
+    state: ZeroState, shard: torch.Tensor, param: nn.Parameter, slot: int, name: str
+) -> ParamHandle:
+    info = state.registry.info(slot)
+    local = param.to_local() if isinstance(param, DTensor) else param
+    h = ParamHandle(
+        ds_id=next(LIVE.ds_ids),
+        slot=slot,
+        state=state,
+        shard=shard,
+        param=param,
+        shape=tuple(info.shape),
+        numel=info.numel,
+        padded_numel=info.padded_numel,
+        shard_numel=info.shard_numel,
+        local_numel=local.numel(),
+        local_shape=tuple(local.shape),
+        spec=param._spec if isinstance(param, DTensor) else None,
+        name=name,
+    )
+    LIVE.handles[h.ds_id] = h
+    state.handles.append(h)
+    state.ds_ids[id(shard)] = h.ds_id
+    return h
+
+
+def handles(ds_ids: list[int]) -> list[ParamHandle]:
+    try:
+        return [LIVE.handles[i] for i in ds_ids]
+    except KeyError:
+        return [handle(i) for i in ds_ids]  # raises for the unknown one
+
+
+def handle(ds_id: int) -> ParamHandle:
+    try:
+        return LIVE.handles[ds_id]
+    except KeyError:
+        raise ZrsError(
+            f"unknown parameter ds_id {ds_id}: no live model of this process registered it (was "
+            "the model dropped, or never passed to zrs.compile?); compile the model with "
+            "zrs.compile(model) before running it"
+        ) from None
+
+
+def names(hs: list[ParamHandle]) -> str:
+    """The parameters' names for an error message, the first few."""
+    shown = ", ".join(f"`{h.name or h.ds_id}`" for h in hs[:3])
+    return shown + (f" and {len(hs) - 3} more" if len(hs) > 3 else "")

@@ -132,7 +132,7 @@ def compile(
     world = dist.get_world_size(group) if group is not None else 1
     if keep_for_backward is None:
         # One rank: the kept copy (a clone under inductor) costs what the cast it saves costs, and
-        # it held 0.23 GiB at the peak of Llama 1b's step (one H200, session 13).
+        # it adds to the step's peak memory (BENCHMARKS.md).
         keep_for_backward = world > 1
     entry = next(LIVE.compile_calls)
     settings = {

@@ -1,5 +1,5 @@
-"""Hugging Face conventions on a sharded model (`transformers.PreTrainedModel`, found by duck typing:
-zrs does not import transformers).
+"""Hugging Face conventions on a sharded model (`transformers.PreTrainedModel`, found by duck
+typing: zrs does not import transformers).
 
 A sharded parameter is a DTensor over the full shape, so `num_parameters()` counts full
 parameters as it is. `save_pretrained(dir, ...)` on the sharded instance needs the full tensors,
@@ -13,18 +13,18 @@ bidirectional, no mask at all) when nothing is padded and the positions are not 
 lets SDPA take its fastest kernels. Traced whole, it cannot tell, since both are questions about
 tensor values, and it never skips while tracing (transformers 5.17: never under dynamo; 5.23:
 only where torch says it does not export, which torch 2.11's dynamo never says). So every
-compiled HF model built its mask and attended through it: on one H200 Llama 1b spent 40 ms per
-step in attention against FSDP2's 15 (its blocks are compiled, the mask code runs eagerly), and
-variable lengths compiled a second graph for the mask's alignment. zrs knows the answer outside
-the graph: a call without an attention mask, positions or cache uses the model's own positions,
-an arange, so nothing is padded or packed (`call_scope`, around each compiled call). For such
-calls the mask helpers skip as eager transformers would; the answer reaches the graph as a
-guarded global, and every other call keeps transformers' own decision.
+compiled HF model built its mask and attended through it, slower than FSDP2, whose blocks are
+compiled while the mask code runs eagerly (BENCHMARKS.md), and variable lengths compiled a second
+graph for the mask's alignment. zrs knows the answer outside the graph: a call without an
+attention mask, positions or cache uses the model's own positions, an arange, so nothing is
+padded or packed (`call_scope`, around each compiled call). For such calls the mask helpers skip
+as eager transformers would; the answer reaches the graph as a guarded global, and every other
+call keeps transformers' own decision.
 
 The loss function is resolved once, before the model is compiled. Transformers' `loss_function`
 property logs a warning (once per process) when the config names no loss type, and dynamo breaks
 the graph at any logging call: the compile traced the whole forward, failed at the loss, and
-traced it again up to there (20 s of GPT-2 XL's first step on an H200). The property reads
+traced it again up to there, which lengthened the first step (BENCHMARKS.md). The property reads
 `_loss_function` first when it is set, so the model keeps its own choice of loss.
 """
 

@@ -35,8 +35,9 @@ from zrs.runtime.state import ZeroState
 
 InitFn = Callable[[nn.Module], None]
 
-# (base class, sharded parameter names, is a repeated block) -> the class swapped in
-_SUBCLASSES: dict[tuple[type, frozenset[str], bool], type] = {}
+# (base class, sharded parameter names, is a repeated block) -> the class swapped in, per model:
+# every layer of a repeated block shares one class, hence one compile region.
+Subclasses = dict[tuple[type, frozenset[str], bool], type]
 
 
 def _gathered(name: str) -> property:
@@ -67,17 +68,20 @@ def _guarded_register(base: type) -> Callable[..., None]:
     return register_parameter
 
 
-def _install_properties(module: nn.Module, base: type, names: frozenset[str], block: bool) -> None:
+def _install_properties(
+    module: nn.Module, base: type, names: frozenset[str], block: bool, classes: Subclasses
+) -> None:
     key = (base, names, block)
-    if key not in _SUBCLASSES:
+    if key not in classes:
         attrs: dict[str, Any] = {n: _gathered(n) for n in names}
         attrs["_zrs_base_class"] = base
+        attrs["_zrs_block"] = block
         attrs["register_parameter"] = _guarded_register(base)
         if block:
             # dynamo traces every layer's call into one shared body, compiled once
             attrs["forward"] = torch.compiler.nested_compile_region(_without_aliases(base.forward))
-        _SUBCLASSES[key] = type(f"Zrs{base.__name__}", (base,), attrs)
-    module.__class__ = _SUBCLASSES[key]
+        classes[key] = type(f"Zrs{base.__name__}", (base,), attrs)
+    module.__class__ = classes[key]
 
 
 def _without_aliases(forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -99,11 +103,11 @@ def _without_aliases(forward: Callable[..., Any]) -> Callable[..., Any]:
 def drop_regions(model: nn.Module) -> bool:
     """Turn the model's compile regions back into plain modules; False if it had none."""
     dropped = False
+    classes: Subclasses = {}
     for module in model.modules():
-        base = getattr(module, "_zrs_base_class", None)
-        key = (base, frozenset(getattr(module, "_zrs_params", {})), True)
-        if base is not None and _SUBCLASSES.get(key) is module.__class__:
-            _install_properties(module, base, key[1], block=False)
+        if getattr(module, "_zrs_block", False):
+            names = frozenset(module._zrs_params)
+            _install_properties(module, module._zrs_base_class, names, False, classes)
             dropped = True
     return dropped
 
@@ -231,6 +235,7 @@ def shard_model(
     the layers of each stack become nested compile regions."""
     done: dict[int, ParamHandle] = {}  # id(original parameter) -> handle: tied weights share one
     blocks = repeated_blocks(model) if regions else set()
+    classes: Subclasses = {}
     for prefix, module in model.named_modules():
         own = dict(module._parameters)
         if any(t is not None and t.is_meta for t in [*own.values(), *module._buffers.values()]):
@@ -261,4 +266,6 @@ def shard_model(
             module._zrs_shards = shards
             state_dict.install_hooks(module)
         if specs or id(module) in blocks:
-            _install_properties(module, module.__class__, frozenset(specs), id(module) in blocks)
+            _install_properties(
+                module, module.__class__, frozenset(specs), id(module) in blocks, classes
+            )

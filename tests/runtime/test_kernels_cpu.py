@@ -157,9 +157,7 @@ def test_failed_build_warns_once_then_falls_back(monkeypatch):
     def broken_build(verbose=False):
         raise RuntimeError("nvcc not found")
 
-    monkeypatch.setattr(kernels, "_status", "unloaded")
-    monkeypatch.setattr(kernels, "_reason", "")
-    monkeypatch.setattr(kernels, "_warned", False)
+    monkeypatch.setattr(kernels, "LOADER", kernels.Loader())  # a process that never loaded
     monkeypatch.delenv("ZRS_NO_CUDA_KERNELS", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
@@ -179,10 +177,7 @@ def test_background_build_is_joined_and_its_failure_warned_by_load(monkeypatch):
         release.wait(10)
         raise RuntimeError("nvcc not found")
 
-    monkeypatch.setattr(kernels, "_status", "unloaded")
-    monkeypatch.setattr(kernels, "_reason", "")
-    monkeypatch.setattr(kernels, "_warned", False)
-    monkeypatch.setattr(kernels, "_builder", None)
+    monkeypatch.setattr(kernels, "LOADER", kernels.Loader())  # a process that never loaded
     monkeypatch.delenv("ZRS_NO_CUDA_KERNELS", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
@@ -196,12 +191,11 @@ def test_background_build_is_joined_and_its_failure_warned_by_load(monkeypatch):
     with pytest.warns(kernels.KernelBuildWarning, match="nvcc not found"):
         assert not kernels.load()
     assert not kernels.load()
-    assert kernels._builder is None and kernels.status()[0] == "failed"
+    assert kernels.LOADER.builder is None and kernels.status()[0] == "failed"
 
 
 def test_disabled_by_env(monkeypatch):
-    monkeypatch.setattr(kernels, "_status", "unloaded")
-    monkeypatch.setattr(kernels, "_reason", "")
+    monkeypatch.setattr(kernels, "LOADER", kernels.Loader())  # a process that never loaded
     monkeypatch.setenv("ZRS_NO_CUDA_KERNELS", "1")
     assert not kernels.load()
     assert kernels.status()[0] == "disabled"

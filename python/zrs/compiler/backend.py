@@ -2,12 +2,12 @@
 
 Each dynamo graph (a graph break gives several) gets its own graph_id, shared by its forward and
 backward. The joint graph is partitioned with gathers marked must-recompute; the partitioned graphs
-are checked for cross-rank agreement, lowered by `passes.zero3` and scheduled by
-`passes.schedule` (the planner's order and fused prefetches). With `backend="inductor"` both run
-as inductor's last post-grad pass, so no inductor rewrite (e.g. `mm + add -> addmm`) can move a
-use of a gathered parameter past its release; inductor's own peak-memory reordering is then off,
-so the planned order (a prefetch before its members' gathers) holds. With `backend="eager"` the
-lowered FX graphs run as they are.
+are checked for cross-rank agreement, then lowered and planned by `pipeline.lower` (`zero3.py`,
+then `plan.py`: the planner's order and fused prefetches, then the later passes). With
+`backend="inductor"` they run as inductor's last post-grad pass, so no inductor rewrite (e.g.
+`mm + add -> addmm`) can move a use of a gathered parameter past its release; inductor's own
+peak-memory reordering is then off, so the planned order (a prefetch before its members' gathers)
+holds. With `backend="eager"` the lowered FX graphs run as they are.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class ZeroPartitioner(CustomPartitionerFn):
 
 PARTITIONER = ZeroPartitioner()
 
-# (graph_id, is_backward, keep, lower, schedule context, graph) of the graph inductor is
+# (graph_id, is_backward, keep, lower, plan context, graph) of the graph inductor is
 # compiling right now; keep: a training forward of a keep_for_backward model, which keeps its last
 # gathered parameters for the backward (in the FX cache key with the rest).
 _CURRENT: contextvars.ContextVar[tuple[int, bool, bool, Any, PlanContext, fx.Graph]] = (
@@ -68,7 +68,8 @@ _CURRENT: contextvars.ContextVar[tuple[int, bool, bool, Any, PlanContext, fx.Gra
 
 
 class ZeroLowering(CustomGraphPass):
-    """The zero3 and schedule passes as inductor's `post_grad_custom_post_pass`."""
+    """`pipeline.lower` (zero3, plan and the later passes) as inductor's
+    `post_grad_custom_post_pass`."""
 
     def __call__(self, graph: fx.Graph) -> None:
         _, is_backward, keep, lower, ctx, top = _CURRENT.get()
@@ -76,7 +77,7 @@ class ZeroLowering(CustomGraphPass):
             lower(graph, is_backward, keep, ctx)
 
     def uuid(self) -> str:
-        # graph_id and the schedule options are not in the graph before this pass runs, so they
+        # graph_id and the planner's options are not in the graph before this pass runs, so they
         # must be in the cache key.
         graph_id, is_backward, keep, _, ctx, _ = _CURRENT.get()
         source = _source_hash(*pipeline.LOWERING_SOURCES)
@@ -143,10 +144,10 @@ def make_backend(state: ZeroState, backend: str):
         keeps = state.keep_for_backward
         # The backward is compiled now, beside the forward, not lazily inside the first backward:
         # there its profile (real tensors of the graph's shapes) ran while the step's real saved
-        # activations were live, and the first step peaked above every later one (1b on 2xH200:
-        # 19.00 GiB against 16.27; benches/first_step_rss.py on the CPU). Its automatic CUDA
-        # budget also no longer counts the saved activations twice (once as the planner's base
-        # bytes, once as memory already taken).
+        # activations were live, and the first step peaked above every later one (BENCHMARKS.md;
+        # benches/first_step_rss.py on the CPU). Compiled now, its automatic CUDA budget does not
+        # count the saved activations twice (once as the planner's base bytes, once as memory
+        # already taken).
         with (
             torch._functorch.config.patch(
                 enable_autograd_cache=False, force_non_lazy_backward_lowering=True
@@ -165,8 +166,7 @@ def make_backend(state: ZeroState, backend: str):
 # did not, and the rank check refused the differing graphs (tests/gpu, mlp and chunked models).
 # force_shape_pad decides without a benchmark, the same on every rank: every matmul with a
 # misaligned dimension is padded. Without padding, GPT-2's head (vocabulary 50257) ran cuBLAS's
-# unaligned kernels: 68.2 ms of matmuls per step against 55.0 for the compiled one-GPU model,
-# which pads (GPT-2 XL shape, one H200, session 10).
+# unaligned kernels, slower than the compiled one-GPU model's, which pads (BENCHMARKS.md).
 SAME_ON_EVERY_RANK: dict[str, Any] = {"shape_padding": True, "force_shape_pad": True}
 
 
@@ -189,7 +189,7 @@ def _inductor(
         if symints(inputs):
             # Inductor's mix-order reduction fuses only above a size, and with symbolic sizes it
             # guarded on the size: Llama 1b on varying lengths compiled a graph per side of each
-            # threshold (~75 s each). Non-strict mode decides without the size, hence no guard.
+            # threshold (BENCHMARKS.md). Non-strict mode decides without the size, hence no guard.
             patches["triton.mix_order_reduction_non_strict_mode"] = True
         if ctx.profile and ctx.world > 1:
             # The profile inside the pass is exchanged between ranks: a cache hit on one rank

@@ -3,17 +3,17 @@ then scales with the groups the planner fused, not with the parameters.
 
 Every zrs op is a Python call on the host (dispatch, runtime bookkeeping, a kernel launch). At
 ~580 parameters (GPT-2 XL) the per-parameter `allgather_param`, `wait_allgather`, `release_param`
-and `reduce_grad` calls, forward and backward, were ~4,000 calls per step, and one H200 waited
-for the host for most of the step. Runs last, after the schedule, keep and bucket passes, so the
-planned order and every decision stay as they are:
+and `reduce_grad` calls, forward and backward, were thousands of calls per step, and the GPU
+waited for the host for most of the step (BENCHMARKS.md). Runs last, after the plan, keep and
+bucket passes, so the planned order and every decision stay as they are:
 
 * a fused prefetch (`prefetch_params_fused`) and its members' `allgather_param`s become one
   `allgather_params`, which returns the members' gathered parameters;
 * the members' `wait_allgather`s become one `wait_allgathers` at the first of them: one collective
   brings the whole group, so the first wait completes every member;
 * the members' `release_param`s become one `release_params` at the last of them. The group's
-  gathered parameters share one buffer (`runtime._Flat`), freed when its last member is released,
-  so releasing the others earlier freed nothing;
+  gathered parameters share one buffer (`runtime.gather.Flat`), freed when its last member is
+  released, so releasing the others earlier freed nothing;
 * consecutive `release_param`s of unfused parameters (a weight and its bias, used by one op)
   become one `release_params`;
 * the `reduce_grad`s of one planned bucket become `reduce_grads` calls, each moved to the last
@@ -83,7 +83,7 @@ def _coalesce_group(
         len(ag.users) != 1 or w is None or not is_op(w, "wait_allgather")
         for ag, w in zip(gathers, waits, strict=True)
     ):
-        return  # not the shape the schedule pass builds: keep the per-parameter ops
+        return  # not the shape `plan.py` builds: keep the per-parameter ops
     ds_ids = [int(ag.args[2]) for ag in gathers]
     with graph.inserting_before(pf):
         group = graph.call_function(

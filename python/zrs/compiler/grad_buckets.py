@@ -4,10 +4,10 @@ reduce-scatter.
 The runtime packs gradients rank-major into a bucket, `(world, capacity)`, and reduce-scatters it
 when full. Filled on the fly at a fixed capacity, nearly every bucket was reduced partly full
 (the next gradient did not fit), and a partly full bucket's rows must be copied together first:
-at 7b on 4xH200 that copy cost 22.7 ms per step, more than packing the gradients. Planned here,
-from the graph's order of gradients after scheduling (`zrs._core.grad_buckets`), every
-`reduce_grad` carries its bucket's exact size (`bucket_numel`) and the runtime allocates each
-bucket at that size, so it is reduced full, without a copy. The graph alone decides, so every
+at 7b that copy cost more than packing the gradients (BENCHMARKS.md). Planned here, from the
+graph's planned order of gradients (`zrs._core.grad_buckets`), every `reduce_grad` carries its
+bucket's exact size (`bucket_numel`) and the runtime allocates each bucket at that size, so it is
+reduced full, without a copy. The graph alone decides, so every
 rank plans the same buckets. A `reduce_grad` without a planned size (`bucket_numel=0`) still
 fills a bucket of `grads.GRAD_BUCKET_NUMEL`, reduced partly full if need be.
 """

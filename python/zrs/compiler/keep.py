@@ -2,11 +2,11 @@
 
 The backward starts with the parameters the forward released last (the output head, the last
 layer). Released, they are gathered again at once, before the backward has any compute to hide
-the gathers behind: on 2xH200 without P2P that stalled the backward's start and cost ~10 ms of
-gathers per step that FSDP2, which keeps its root and last block gathered, does not pay. The
-planner (`zrs._core.kept_for_backward`) picks the longest run of the forward's last releases
-within an allowance of bytes; their `release_param` nodes get `keep=True`, and the runtime hands
-the gathered copy to the parameter's next gather (``runtime.gather._claim_kept``).
+the gathers behind: that stalled the backward's start with gathers that FSDP2, which keeps its
+root and last block gathered, does not pay (BENCHMARKS.md). The planner
+(`zrs._core.kept_for_backward`) picks the longest run of the forward's last releases within an
+allowance of bytes; their `release_param` nodes get `keep=True`, and the runtime hands the
+gathered copy to the parameter's next gather (``runtime.gather._claim_kept``).
 
 The allowance, decided in zrs-core, is what the backward may prefetch ahead anyway at its start
 (``PREFETCH_ALLOWANCE_GATHERS`` of the forward's largest gather), so the device holds no more at

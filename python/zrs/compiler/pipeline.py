@@ -118,7 +118,7 @@ def lower(
     if is_backward:
         plan_grad_buckets(
             graph, shard_numels
-        )  # after the schedule: its order of gradients fills the buckets
+        )  # after the plan: its order of gradients fills the buckets
     t4 = time.perf_counter()
     coalesce(graph, graph_id, shard_numels)  # last: one op per group, every decision above kept
     spent = {"lower": t1 - t0, "keep": t3 - t2, "buckets": t4 - t3}

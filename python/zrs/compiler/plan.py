@@ -49,7 +49,8 @@ class PlanContext:
     trace_dir: str | None = None
     # Cost model for the collectives: a preset name, a measured dict, or None for the default.
     cost: str | dict[str, Any] | None = None
-    # Time the lowered graph's compute nodes once on real tensors (`zrs.compiler.profile`) on `device`.
+    # Time the lowered graph's compute nodes once on real tensors (`zrs.compiler.profile`) on
+    # `device`.
     profile: bool = False
     # The gradients' reduce dtype: a reduce-scatter moves numel x this, whatever the dtype of the
     # gradient handed to reduce_grad (the packing casts). None: the gradient's own dtype.

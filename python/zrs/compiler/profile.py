@@ -265,8 +265,9 @@ def measure_collectives(
     group: dist.ProcessGroup, control: dist.ProcessGroup, device: torch.device
 ) -> dict[str, Any] | None:
     """Fit the planner's collective cost model to a short sweep on `group` (every rank calls
-    this at the same point; the ranks agree on the times over `control`). Returns the cost model as a dict for `zrs.planner`, or None when the
-    sweep cannot be fitted (then the planner uses its analytic default)."""
+    this at the same point; the ranks agree on the times over `control`). Returns the cost model
+    as a dict for `zrs.planner`, or None when the sweep cannot be fitted (then the planner uses
+    its analytic default)."""
     world = dist.get_world_size(group)
     sizes = SWEEP_BYTES.get(device.type, SWEEP_BYTES["cpu"])
     samples: dict[str, list[float]] = {"allgather": [], "reduce_scatter": []}

@@ -1,14 +1,15 @@
 """On dynamo's graph, before AOTAutograd: gathers out of repeated blocks, and every gather named.
 
-A repeated block (a layer of a stack, `sharding.repeated_blocks`) runs as a nested compile
+A repeated block (a layer of a stack, `shard.repeated_blocks`) runs as a nested compile
 region: dynamo traces it into one `invoke_subgraph` body shared by every layer, and AOTAutograd
 and inductor then compile that body once, not once per layer. Its parameters' gathers are in the
 body, so they would be compiled once too, yet each layer gathers its own parameters at its own
 time. `lift_region_gathers` moves them to the call sites: each layer's call gathers its shards
 (and casts them, when the body cast them at once) in the outer graph, where the zero3 pass and
-the planner see one gather per parameter as before, and passes the full tensors into the body.
+the planner see one gather per parameter, as without regions, and passes the full tensors into
+the body.
 
-The gather property leaves the parameter's id out of the traced graph (`UNRESOLVED`), so the
+The gather property leaves the parameter's ds_id out of the traced graph (`UNRESOLVED`), so the
 layers' bodies are identical; `resolve_gathers` writes it back from the shard tensor.
 """
 

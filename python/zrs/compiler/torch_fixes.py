@@ -4,7 +4,7 @@ Repeated blocks compile as nested regions (`invoke_subgraph`, docs/compiled-path
 asks the region op for its schema at every call of every layer, in functionalization and again in
 autograd, and torch builds that schema by tracing the whole block body anew
 (`InvokeSubgraphHOP.gen_schema`). On GPT-2 XL (48 layers) that was 240 block traces per graph:
-most of AOTAutograd's joint tracing (18.5 of the first step's 64 s on one H200). Within one
+most of AOTAutograd's joint tracing, a large part of the first step (BENCHMARKS.md). Within one
 compile, calls of one body with operands of one kind have one schema: it is built once.
 """
 

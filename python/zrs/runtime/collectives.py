@@ -34,9 +34,8 @@ def new_group_like(
     The gradient reduce-scatters get one of their own: NCCL runs a communicator's collectives one
     after another on one stream, in issue order, and on one communicator a reduce-scatter queued
     behind the backward's prefetched all-gathers; the compute stream, which waits for the oldest
-    reduce-scatter when a third bucket fills (grads.MAX_IN_FLIGHT_REDUCES), stalled with it: 10.7 ms
-    per step on 2xH200 without P2P (profile, session 5). The planner already models gathers and
-    reduce-scatters on separate streams."""
+    reduce-scatter when a third bucket fills (grads.MAX_IN_FLIGHT_REDUCES), stalled with it
+    (BENCHMARKS.md). The planner already models gathers and reduce-scatters on separate streams."""
     return dist.new_group(
         dist.get_process_group_ranks(group),
         timeout=timeout,

@@ -1,7 +1,7 @@
 """The gathered parameters of the lowered ops: issue, wait and release each all-gather, and the
 copies a training forward keeps for its backward.
 
-Every table lives in the model's `StepState` (`zrs.runtime`); the registry decides whether a
+Every table lives in the model's `StepState` (`zrs.runtime.state`); the registry decides whether a
 collective is needed and when a buffer may be freed.
 """
 
@@ -318,7 +318,7 @@ def _drop_hold(h: ParamHandle) -> None:
                 flat.storage.resize_(0)
 
 
-# --- copies a training forward keeps for its backward (compiler/keep.py) ---------------------------
+# --- copies a training forward keeps for its backward (compiler/keep.py) --------------------------
 # `StepState.kept`: ds_id -> the shard's version counter when the forward kept the gathered copy.
 # The forward's hold stays in the registry, so the copy stays "available"; the parameter's next
 # gather takes the copy and the hold over (normally the backward's first use), unless the shard
@@ -330,7 +330,7 @@ def _keep(h: ParamHandle) -> None:
     if not h.state.free_on_release:
         # Inductor may reuse a buffer that it sees dead for the output of a later kernel of the
         # same graph: the copy kept for the backward must be one the graph never saw. A device
-        # copy (~0.1 ms for a 1b model's head and last layer) against a gather over the link.
+        # copy costs less than the gather over the link that it saves.
         _set_buffer(st, h, st.buffers[h.ds_id].clone())
         flat = st.flat_of.pop(h.ds_id, None)
         if flat is not None:

@@ -1,6 +1,6 @@
 """Gradients: packed into buckets, reduce-scattered (mean over the ranks), accumulated into each
 parameter's `.grad`; the bucket being filled and the reduce-scatters in flight live in the
-model's `StepState` (`zrs.runtime`).
+model's `StepState` (`zrs.runtime.state`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ from zrs.runtime.state import ZeroState
 
 # Gradient buckets hold at most this many elements (per rank, all shards together); the
 # compiler plans each backward's buckets within it (compiler/grad_buckets.py). 16M: about one
-# 1b-preset layer per bucket. Each reduce-scatter costs ~0.1-0.15 ms of CPU to issue (2xH200
-# profile); at 4M every large gradient of the 1b model was its own bucket, 115 reduce-scatters
-# per step. Memory: (world x 16M) x reduce dtype per bucket, at most MAX_IN_FLIGHT_REDUCES + 1
-# buckets alive.
+# 1b-preset layer per bucket. Each reduce-scatter costs CPU time to issue, and at 4M every large
+# gradient of the 1b model was its own bucket (BENCHMARKS.md). Memory: (world x 16M) x reduce
+# dtype per bucket, at most MAX_IN_FLIGHT_REDUCES + 1 buckets alive.
 GRAD_BUCKET_NUMEL = 1 << 24
 # Reduce-scatters in flight at most: a bucket fills while the previous one is reduced (double
 # buffering); a third waits for the oldest, which bounds the gradient memory to a few buckets.
@@ -140,7 +139,7 @@ def reduce_grads(
 
 
 def _replicate_scalar(column: torch.Tensor) -> None:
-    """A 0-d parameter is replicated (sharding.py): its packed gradient goes to every rank's
+    """A 0-d parameter is replicated (shard.py): its packed gradient goes to every rank's
     block, not to rank 0's alone, so that the reduce-scatter leaves each rank the mean."""
     column.copy_(column[:1].expand_as(column))
 

@@ -37,12 +37,6 @@ OPS = ("pack_cast", "unpack_rank_major", "pack_grads")
 _DISABLE_ENV = "ZRS_NO_CUDA_KERNELS"
 _SRC_ENV = "ZRS_CUDA_SRC"
 
-_lock = threading.Lock()
-_status = "unloaded"  # "unloaded" | "loaded" | "failed" | "disabled"
-_reason = ""
-_warned = False
-_builder: threading.Thread | None = None  # build_in_background()'s thread, until load() joins it
-
 
 class KernelBuildWarning(UserWarning):
     """The CUDA copy kernels could not be built or loaded; the torch fallback is used."""
@@ -98,32 +92,72 @@ def _has_cuda_kernel(op: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"zrs::{op}", "CUDA")
 
 
-def _attempt() -> None:
-    """Build and load once, recording the outcome in `_status`/`_reason`. Warns nothing: it may
-    run on the background builder thread, and `load()` warns in the caller's thread."""
-    global _status, _reason
-    if os.environ.get(_DISABLE_ENV, "") not in ("", "0"):
-        _status, _reason = "disabled", f"{_DISABLE_ENV} is set"
-    elif not torch.cuda.is_available() or torch.version.cuda is None:
-        _status, _reason = "failed", "CUDA is not available"
-    else:
-        try:
-            build()
-            _status = "loaded"
-        except Exception as e:  # any failure means: fall back, and say so once
-            _status, _reason = "failed", f"{type(e).__name__}: {e}"
+class Loader:
+    """Whether the CUDA extension is loaded: a fact about the process (a loaded library cannot be
+    unloaded), hence one object, `LOADER`."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.status = "unloaded"  # "unloaded" | "loaded" | "failed" | "disabled"
+        self.reason = ""
+        self.warned = False
+        self.builder: threading.Thread | None = None  # the background build, until load() joins
+
+    def attempt(self) -> None:
+        """Build and load once, recording the outcome. Warns nothing: it may run on the builder
+        thread, and `load()` warns in the caller's thread."""
+        if os.environ.get(_DISABLE_ENV, "") not in ("", "0"):
+            self.status, self.reason = "disabled", f"{_DISABLE_ENV} is set"
+        elif not torch.cuda.is_available() or torch.version.cuda is None:
+            self.status, self.reason = "failed", "CUDA is not available"
+        else:
+            try:
+                build()
+                self.status = "loaded"
+            except Exception as e:  # any failure means: fall back, and say so once
+                self.status, self.reason = "failed", f"{type(e).__name__}: {e}"
+
+    def build_in_background(self) -> None:
+        with self.lock:
+            if self.status != "unloaded" or self.builder is not None:
+                return
+            self.builder = threading.Thread(
+                target=self.attempt, name="zrs-kernel-build", daemon=True
+            )
+            self.builder.start()
+
+    def load(self) -> bool:
+        if self.status == "loaded":
+            return True
+        with self.lock:
+            if self.builder is not None:
+                self.builder.join()
+                self.builder = None
+            elif self.status == "unloaded":
+                self.attempt()
+            if self.status == "failed" and not self.warned and torch.cuda.is_available():
+                self.warned = True
+                warnings.warn(
+                    "zrs: the CUDA copy kernels could not be built or loaded, so packing and "
+                    f"unpacking fall back to slower torch ops. Reason: {self.reason.strip()[:2000]}. "
+                    "To fix: install nvcc matching torch's CUDA "
+                    f"{torch.version.cuda} (set CUDA_HOME) and ninja, then run "
+                    f"`python -m zrs.runtime.kernels --build`; set {_DISABLE_ENV}=1 to use the "
+                    "torch ops without this warning.",
+                    KernelBuildWarning,
+                    stacklevel=4,
+                )
+            return self.status == "loaded"
+
+
+LOADER = Loader()
 
 
 def build_in_background() -> None:
     """Start building (or loading from the cache) on a thread, so that nvcc's ~20 s overlap
     torch.compile's tracing of the model instead of adding to the first step; `load()` waits
     for it. `zrs.compile` calls this for CUDA models."""
-    global _builder
-    with _lock:
-        if _status != "unloaded" or _builder is not None:
-            return
-        _builder = threading.Thread(target=_attempt, name="zrs-kernel-build", daemon=True)
-        _builder.start()
+    LOADER.build_in_background()
 
 
 def load() -> bool:
@@ -131,33 +165,12 @@ def load() -> bool:
 
     Never builds without CUDA. On failure, warns once and returns False from then on.
     """
-    global _builder, _warned
-    if _status == "loaded":
-        return True
-    with _lock:
-        if _builder is not None:
-            _builder.join()
-            _builder = None
-        elif _status == "unloaded":
-            _attempt()
-        if _status == "failed" and not _warned and torch.cuda.is_available():
-            _warned = True
-            warnings.warn(
-                "zrs: the CUDA copy kernels could not be built or loaded, so packing and "
-                f"unpacking fall back to slower torch ops. Reason: {_reason.strip()[:2000]}. "
-                "To fix: install nvcc matching torch's CUDA "
-                f"{torch.version.cuda} (set CUDA_HOME) and ninja, then run "
-                f"`python -m zrs.runtime.kernels --build`; set {_DISABLE_ENV}=1 to use the torch ops "
-                "without this warning.",
-                KernelBuildWarning,
-                stacklevel=3,
-            )
-        return _status == "loaded"
+    return LOADER.load()
 
 
 def status() -> tuple[str, str]:
     """("unloaded" | "loaded" | "failed" | "disabled", the reason when not loaded)."""
-    return _status, _reason
+    return LOADER.status, LOADER.reason
 
 
 # --- torch implementations (CPU, and the CUDA fallback) -----------------------------------------
@@ -327,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import zrs  # noqa: F401  (defines the ops the kernels register on)
 
         path = k.build(verbose=args.verbose)
-        k._status = "loaded"
+        k.LOADER.status = "loaded"
     except Exception as e:
         print(f"zrs kernels: build failed after {time.perf_counter() - t0:.1f} s: {e}")
         return 1

@@ -74,7 +74,7 @@ SIDE_EFFECT_OPS = (
 )
 
 # The runtime implementations work on any device through torch.distributed; CUDA kernels for
-# packing and casting register on the CUDA key in `zrs.cuda` (issue 3).
+# packing and casting register on the CUDA key in `zrs.runtime.kernels`.
 _KEY = "CompositeExplicitAutograd"
 
 
@@ -90,7 +90,8 @@ def outside_dynamo(fn):
     """`fn` run with dynamo's frame hook off. Kernels run eagerly in graph-break regions while the
     hook is live, and dynamo must not trace the runtime's Python. Compiled graphs call the ops
     with the hook already off: then the call skips `torch.compiler.disable`'s wrapper, which
-    costs more than the runtime's own work for a small op (~1,200 op calls per GPT-2 XL step)."""
+    costs more than the runtime's own work for a small op, on every op call of a step
+    (BENCHMARKS.md)."""
     disabled = torch.compiler.disable(fn, recursive=True)
 
     def kernel(*args, **kwargs):
@@ -274,7 +275,7 @@ for _name in SIDE_EFFECT_OPS:
     has_side_effect(getattr(torch.ops.zrs, _name).default)
 
 
-# --- copy ops (issue 3): internal ops of the runtime's copy-in, copy-out and gradient pack --------
+# --- copy ops: internal ops of the runtime's copy-in, copy-out and gradient pack ------------------
 # Kernels: torch ops on CompositeExplicitAutograd (CPU, and the CUDA fallback) and the CUDA kernels
 # of cuda/zrs_kernels.cu on the CUDA key once built; both live in `zrs.runtime.kernels`.
 

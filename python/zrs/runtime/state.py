@@ -1,9 +1,10 @@
-"""Runtime state behind the zrs ops: parameter handles, gathered buffers, gradient buckets.
+"""Runtime state behind the zrs ops: one model's `ZeroState` and one step's `StepState`.
 
 The Rust registry (`zrs._core.Registry`) decides *whether* a collective is needed and when a buffer
 may be freed; this module owns the tensors and talks to torch.distributed. Every op in
-`zrs.runtime.ops` resolves its `ds_id` here. Everything one step holds between the ops lives in the
-model's `StepState` (`ZeroState.step`), which a step that stops part-way is reset as a unit from.
+`zrs.runtime.ops` resolves its `ds_id` through `LIVE` (`runtime/handles.py`). Everything one step
+holds between the ops lives in the model's `StepState` (`ZeroState.step`), which a step that stops
+part-way is reset as a unit from.
 """
 
 from __future__ import annotations
@@ -93,15 +94,16 @@ class ZeroState:
     # id(shard) -> ds_id: traced gathers name their parameter by its shard (compiler/regions.py)
     ds_ids: dict[int, int] = field(default_factory=dict)
     graph_ids: itertools.count = field(default_factory=itertools.count)
-    # Schedule pass (passes.schedule): "search", "greedy" or "none"; budget in bytes or None;
-    # directory for per-graph Chrome traces and memory plots, or None.
+    # The planner's options (compiler/plan.py): scheduler "search", "greedy" or "none"; budget in
+    # bytes or None; directory for per-graph Chrome traces and memory plots, or None.
     scheduler: str = "search"
     memory_budget: int | None = None
     trace_dir: str | None = None
-    # Measure compute and collective times for the planner (zrs.compiler.profile); the fitted collective
-    # cost model is measured once, at the first graph compile.
+    # Measure compute and collective times for the planner (zrs.compiler.profile); the fitted
+    # collective cost model is measured once, at the first graph compile.
     profile: bool = True
-    # Training forwards keep their last-used gathered parameters for the backward (compiler/keep.py).
+    # Training forwards keep their last-used gathered parameters for the backward
+    # (compiler/keep.py).
     keep_for_backward: bool = True
     cost_model: dict | None = None
     cost_measured: bool = False

@@ -1,8 +1,9 @@
 """Side CUDA streams for the collectives: all-gathers on a high-priority stream, reduce-scatters on
 another, ordered against the compute stream with events only (no CPU sync, no `record_stream`).
 
-Opt-in with `ZRS_COMM_STREAMS=1` until it has been measured on GPUs; without it (and always on
-the CPU) the collectives go through torch.distributed from the compute stream, as before.
+Opt-in with `ZRS_COMM_STREAMS=1`: on GPUs it measured slower than the compute stream
+(BENCHMARKS.md). Without it (and always on the CPU) the collectives go through torch.distributed
+from the compute stream.
 
 Ownership rule that makes `record_stream` unnecessary: a tensor is allocated on the stream that
 frees it. Buffers the compute stream reads later (gathered parameters, reduce-scatter outputs,

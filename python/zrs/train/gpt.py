@@ -124,7 +124,8 @@ class GPT(nn.Module):
                     module.reset_parameters()
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``(B, T, vocab)`` for ``idx`` ``(B, T)``; the mean cross-entropy if ``targets``."""
+        """Logits ``(B, T, vocab)`` for ``idx`` ``(B, T)``; the mean cross-entropy if
+        ``targets``."""
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
@@ -138,7 +139,8 @@ class GPT(nn.Module):
     def generate(
         self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8
     ) -> torch.Tensor:
-        """Sample ``new_tokens`` tokens after ``idx`` ``(B, T)``; returns ``(B, T + new_tokens)``."""
+        """Sample ``new_tokens`` tokens after ``idx`` ``(B, T)``; returns
+        ``(B, T + new_tokens)``."""
         for _ in range(new_tokens):
             logits = self(idx[:, -self.cfg.block_size :])[:, -1] / temperature
             idx = torch.cat([idx, torch.multinomial(logits.softmax(-1), 1)], dim=1)

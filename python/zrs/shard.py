@@ -106,7 +106,7 @@ def drop_regions(model: nn.Module) -> bool:
     classes: Subclasses = {}
     for module in model.modules():
         if getattr(module, "_zrs_block", False):
-            names = frozenset(module._zrs_params)
+            names = frozenset(getattr(module, "_zrs_params", {}))
             _install_properties(module, module._zrs_base_class, names, False, classes)
             dropped = True
     return dropped

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zrs import checkpoint, hf, options, wrap
-from zrs._core import Registry, ZrsError
+from zrs._core import BudgetInfeasibleError, Registry, ZrsError
 from zrs.compiler.backend import BACKENDS, make_backend
 from zrs.compiler.plan import SCHEDULERS, trace_dir_from_env
 from zrs.runtime import kernels
@@ -24,7 +24,7 @@ from zrs.runtime.state import ZeroState
 from zrs.shard import InitFn, shard_model
 from zrs.state_dict import full_state_dict
 
-__all__ = ["ZrsError", "checkpoint", "compile", "full_state_dict"]
+__all__ = ["BudgetInfeasibleError", "ZrsError", "checkpoint", "compile", "full_state_dict"]
 __version__ = "0.1.0"
 
 

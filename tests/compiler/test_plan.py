@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 
 import pytest
 import torch
@@ -220,19 +219,20 @@ class Net(nn.Module):
 def test_too_small_budget_names_the_minimum(backend):
     torch.manual_seed(0)
     model = zrs.compile(Net(), backend=backend, memory_budget=1)
-    with inductor_config.patch(fx_graph_cache=False), pytest.raises(Exception) as info:
+    with (
+        inductor_config.patch(fx_graph_cache=False),
+        pytest.raises(zrs.BudgetInfeasibleError) as info,
+    ):
         model(torch.randn(4, 6))
     runtime.reset()
-    err = zrs_error(info.value)
-    assert err is not None, f"no ZrsError behind {info.value!r}"
+    err = info.value  # a typed error: the figures without parsing the message
     msg = str(err)
-    assert "forward graph 0" in msg and "memory_budget=" in msg, msg
-    minimal = int(re.search(r"at least (\d+)", msg).group(1))
-    assert minimal > 1
+    assert "forward graph 0" in msg and f"memory_budget=BYTES) with at least {err.minimal}" in msg
+    assert err.budget == 1 and err.minimal > 1
     # the named minimum is enough
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = zrs.compile(Net(), backend=backend, memory_budget=minimal)
+    model = zrs.compile(Net(), backend=backend, memory_budget=err.minimal)
     model(torch.randn(4, 6))
     runtime.reset()
 

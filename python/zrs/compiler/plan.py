@@ -108,12 +108,18 @@ def _plan(ir: dict[str, Any], ctx: PlanContext, detail: bool) -> dict[str, Any]:
     return json.loads(out)
 
 
-def _budget_error(e: _core.BudgetInfeasibleError, what: str, ctx: PlanContext) -> ZrsError:
-    return ZrsError(
+def _budget_error(
+    e: _core.BudgetInfeasibleError, what: str, ctx: PlanContext
+) -> _core.BudgetInfeasibleError:
+    """zrs-core's error with the graph and where the budget came from; the same type and
+    figures, so that a caller can read the least feasible budget (`minimal`)."""
+    error = _core.BudgetInfeasibleError(
         f"{what}: {e}. The budget came from {ctx.budget_source}; pass "
         f"zrs.compile(..., memory_budget=BYTES) with at least {e.minimal} bytes, or "
         "memory_budget=None on CPU, or scheduler='greedy' to plan without a budget"
     )
+    error.budget, error.minimal, error.base = e.budget, e.minimal, e.base
+    return error
 
 
 def _write_trace(

@@ -24,4 +24,4 @@ def test_peak_is_the_most_live_bytes_grouped_by_origin():
     ]
     out = peak_breakdown({"device_traces": [trace]}, before_bytes=gib // 2)
     assert out["peak_GiB"] == 4.5 and out["before_step_GiB"] == 0.5
-    assert out["live_at_peak_GiB"] == [["runtime.py:10 f", 2.0], ["c.py:5 f", 2.0]]
+    assert out["live_at_peak_GiB"] == [["state.py:10 f", 2.0], ["c.py:5 f", 2.0]]

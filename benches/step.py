@@ -24,10 +24,13 @@ LlamaDecoderLayer / GPT2Block and the root.
 --varlen: step i on rank r uses the first L tokens of its batch, L uniform in
 [seq_len // 16, seq_len], drawn from (--seed, r, i), so ranks differ within a step and runs repeat.
 zrs relies on zrs.compile's dynamic shapes at several ranks; at world 1, and for the other
-systems, torch.compile recompiles once and then treats the length as dynamic.
+compiled systems, torch.compile recompiles once and then treats the length as dynamic; the eager
+ones (zrs_eager, fsdp2_eager, deepspeed_zero3) compile nothing.
 
 Systems:
   zrs              zrs.compile(model, param_dtype=bf16, reduce_dtype=fp32)
+  zrs_eager        zrs.shard(model, param_dtype=bf16, reduce_dtype=fp32): the same sharding, no
+                   torch.compile (module hooks gather, prefetch and release); --zrs-* don't apply
   fsdp2_eager      fully_shard per block and on the root, MixedPrecisionPolicy(bf16, fp32)
   fsdp2_compile    the same with each block torch.compile'd (fullgraph), as torchtitan does
   single           one GPU (rank 0 only), unsharded bf16 parameters, whole model compiled: the
@@ -103,6 +106,7 @@ from trace_summary import load, summarize
 
 ALL_SYSTEMS = (
     "zrs",
+    "zrs_eager",
     "fsdp2_eager",
     "fsdp2_compile",
     "single",
@@ -509,23 +513,31 @@ def compile_phases(least_s: float = 0.5) -> dict[str, float]:
     }
 
 
-def build_zrs(ctx: Ctx) -> Built:
+def build_zrs(ctx: Ctx, compiled: bool) -> Built:
+    """zrs.compile (the --zrs-* options are its), or zrs.shard: the same sharding, trained
+    eagerly by module hooks."""
     import zrs
 
     spec = ctx.spec
     model = meta_model(spec)
     torch.manual_seed(ctx.args.seed)
-    zrs.compile(
-        model,
-        init_fn=spec.init_fn(model),
-        param_dtype=ctx.param_dtype,
-        reduce_dtype=ctx.reduce_dtype,
-        backend=ctx.args.zrs_backend,
-        scheduler=ctx.args.zrs_scheduler,
-        separate_reduce_communicator=not ctx.args.zrs_shared_reduce_communicator,
-        regions=not ctx.args.zrs_no_regions,
-        dynamic=True if ctx.args.zrs_dynamic else None,
-    )
+    common = {
+        "init_fn": spec.init_fn(model),
+        "param_dtype": ctx.param_dtype,
+        "reduce_dtype": ctx.reduce_dtype,
+    }
+    if compiled:
+        model = zrs.compile(
+            model,
+            **common,
+            backend=ctx.args.zrs_backend,
+            scheduler=ctx.args.zrs_scheduler,
+            separate_reduce_communicator=not ctx.args.zrs_shared_reduce_communicator,
+            regions=not ctx.args.zrs_no_regions,
+            dynamic=True if ctx.args.zrs_dynamic else None,
+        )
+    else:
+        model = zrs.shard(model, **common)
     opt = adamw(model.parameters(), ctx)
     return Built(
         plain_step(model, opt, spec),
@@ -651,7 +663,8 @@ def build_deepspeed(ctx: Ctx, deepcompile: bool) -> Built:
 
 
 BUILDERS: dict[str, Callable[[Ctx], Built]] = {
-    "zrs": build_zrs,
+    "zrs": lambda ctx: build_zrs(ctx, compiled=True),
+    "zrs_eager": lambda ctx: build_zrs(ctx, compiled=False),
     "fsdp2_eager": lambda ctx: build_fsdp2(ctx, compiled=False),
     "fsdp2_compile": lambda ctx: build_fsdp2(ctx, compiled=True),
     "single": build_single,

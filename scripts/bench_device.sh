@@ -8,18 +8,18 @@
 #            hf_llama_tiny, hf_gpt2_tiny (transformers models, benches/hf_models.py)
 #   NPROC    GPUs (ranks) per run
 #   OUTFILE  JSON-lines file the results are appended to, e.g. benches/results/h200x2.jsonl
-#   SYSTEM   default: zrs fsdp2_eager fsdp2_compile single, then deepspeed_zero3 and deepcompile
-#            when deepspeed imports
+#   SYSTEM   default: zrs zrs_eager fsdp2_eager fsdp2_compile single, then deepspeed_zero3 and
+#            deepcompile when deepspeed imports
 #
 # Every sharded system runs twice: over NVLink (tag "") and with NCCL_P2P_DISABLE=1 (tag
 # "nop2p", bandwidth-limited). "single" and "single_amp" run on one GPU, under each tag but the nop2p ones
 # (a variant such as "flash" gets its bound). Each run is bounded by BENCH_TIMEOUT seconds
 # (default 420, under the device tool's 600 s a call); a run that dies or times out without
-# writing its line gets an error line here. The first tag's run of each system
-# starts from empty inductor/Triton caches, and for zrs an empty torch extensions folder, so its
-# copy kernels build inside the run (warmup_s is a cold start; BENCH_CACHE=cold in its record);
-# later tags reuse that system's cache (BENCH_CACHE=warm). NVLink multicast stays off
-# throughout (KINDS.md: it can take the host's GPUs out of service).
+# writing its line gets an error line here. The first tag's run of each system starts from empty
+# inductor/Triton caches, and for zrs and zrs_eager an empty torch extensions folder, so their copy
+# kernels build inside the run (warmup_s is a cold start; BENCH_CACHE=cold in its record); later
+# tags reuse that system's cache (BENCH_CACHE=warm). NVLink multicast stays off throughout
+# (KINDS.md: it can take the host's GPUs out of service).
 #
 # Environment knobs: BENCH_TIMEOUT, BENCH_TAGS (default "nvlink nop2p"; any tag that starts with
 # "nop2p" runs with NCCL_P2P_DISABLE=1, e.g. "nop2p_bf16rs" for a variant), BENCH_ARGS (extra
@@ -69,7 +69,7 @@ if python3 -c 'import deepspeed' 2>/dev/null; then HAVE_DS=1; fi
 if [[ $# -gt 0 ]]; then
     SYSTEMS=("$@")
 else
-    SYSTEMS=(zrs fsdp2_eager fsdp2_compile single)
+    SYSTEMS=(zrs zrs_eager fsdp2_eager fsdp2_compile single)
     if [[ $HAVE_DS == 1 ]]; then SYSTEMS+=(deepspeed_zero3 deepcompile); fi
 fi
 
@@ -101,8 +101,9 @@ run() {  # run SYSTEM TAG NPROC COLD
     [[ $tag == nop2p* ]] && env_vars=(NCCL_P2P_DISABLE=1)
     env_vars+=(TORCHINDUCTOR_CACHE_DIR="$cache/inductor" TRITON_CACHE_DIR="$cache/triton"
         BENCH_CACHE=$state)
-    # zrs's copy kernels too: its cold run's warmup_s includes their build, as on a fresh machine.
-    [[ $system == zrs ]] && env_vars+=(TORCH_EXTENSIONS_DIR="$cache/torch_extensions")
+    # zrs's copy kernels too (zrs, zrs_eager): a cold run's warmup_s includes their build, as on a
+    # fresh machine.
+    [[ $system == zrs* ]] && env_vars+=(TORCH_EXTENSIONS_DIR="$cache/torch_extensions")
     local -a cmd=(torchrun --standalone --nproc-per-node "$nproc" benches/step.py
         --preset "$PRESET" --systems "$system" --tag "$tag" --out "$RESULTS" "${EXTRA[@]}")
     local shown p2p=""

@@ -2,6 +2,7 @@
 
 import zrs
 model = zrs.compile(model)          # shards every parameter, compiles with torch.compile
+model = zrs.shard(model)            # or: shards every parameter, trains eagerly
 opt = torch.optim.AdamW(model.parameters())   # the parameters are the local fp32 shards
 """
 
@@ -13,18 +14,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zrs import checkpoint, hf, options, wrap
-from zrs._core import BudgetInfeasibleError, Registry, ZrsError
+from zrs import checkpoint, options, units, wrap
+from zrs._core import BudgetInfeasibleError, ZrsError
 from zrs.compiler.backend import BACKENDS, make_backend
 from zrs.compiler.plan import SCHEDULERS, trace_dir_from_env
-from zrs.runtime import kernels
 from zrs.runtime import ops as _ops  # noqa: F401  (registers the torch.ops.zrs namespace)
-from zrs.runtime.handles import LIVE
-from zrs.runtime.state import ZeroState
-from zrs.shard import InitFn, shard_model
+from zrs.sharding import InitFn
 from zrs.state_dict import full_state_dict
 
-__all__ = ["BudgetInfeasibleError", "ZrsError", "checkpoint", "compile", "full_state_dict"]
+__all__ = [
+    "BudgetInfeasibleError",
+    "ZrsError",
+    "checkpoint",
+    "compile",
+    "full_state_dict",
+    "shard",
+]
 __version__ = "0.1.0"
 
 
@@ -116,25 +121,19 @@ def compile(
         raise ZrsError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     if scheduler not in SCHEDULERS:
         raise ZrsError(f"unknown scheduler {scheduler!r}: choose one of {', '.join(SCHEDULERS)}")
-    if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
-        raise ZrsError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
+    _check_common(timeout, param_dtype, reduce_dtype, model)
     if memory_budget is not None and (
         isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget <= 0
     ):
         raise ZrsError(
             f"memory_budget must be a positive number of bytes or None, not {memory_budget!r}"
         )
-    options.check_dtype("param_dtype", param_dtype)
-    options.check_dtype("reduce_dtype", reduce_dtype)
-    options.check_param_dtypes(model)
     group = wrap.resolve_group(process_group)
-    device = wrap.resolve_device(model, group)
     world = dist.get_world_size(group) if group is not None else 1
     if keep_for_backward is None:
         # One rank: the kept copy (a clone under inductor) costs what the cast it saves costs, and
         # it adds to the step's peak memory (BENCHMARKS.md).
         keep_for_backward = world > 1
-    entry = next(LIVE.compile_calls)
     settings = {
         "backend": backend,
         "param_dtype": param_dtype,
@@ -148,38 +147,110 @@ def compile(
         "timeout": timeout,
         "regions": regions,
     }
-    links = wrap.Links(group, timeout, entry)
-    if links.peers is not None:  # before any collective: a mismatch there hangs or aborts
-        links.peers.agree(f"zrs.compile call {entry}", wrap.describe(model, settings))
-        links.connect(separate_reduce_communicator)
-    state = ZeroState(
+    state, entry = wrap.shard_in_place(
+        model,
+        "zrs.compile",
+        settings,
         group=group,
-        world_size=world,
-        rank=dist.get_rank(group) if group is not None else 0,
-        device=device,
-        param_dtype=param_dtype,
-        reduce_dtype=options.default_reduce_dtype(model, reduce_dtype),
-        registry=Registry(world),
+        init_fn=init_fn,
+        regions=regions,
         free_on_release=backend == "eager",
-        timeout=links.timeout,
-        gather_group=links.gather_group,
-        reduce_group=links.reduce_group,
-        control_group=links.control_group,
         scheduler=scheduler,
         memory_budget=memory_budget,
         trace_dir=trace_dir_from_env(trace_dir),
         profile=profile,
         keep_for_backward=keep_for_backward,
-        peers=links.peers,
     )
-    if device.type == "cuda":
-        kernels.build_in_background()  # nvcc runs while dynamo and inductor trace the model
-    shard_model(model, state, init_fn, regions)
-    model._zrs_state = state
-    hf.adopt_conventions(model)
-    if param_dtype is not None:
-        model.register_forward_pre_hook(wrap.cast_inputs(param_dtype), with_kwargs=True)
+    units.install(model, state, layered=False, limits={})
     if dynamic is None and world > 1:
         dynamic = True
     wrap.compile_in_place(model, make_backend(state, backend), entry, dynamic)
     return model
+
+
+def shard(
+    model: nn.Module,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    init_fn: InitFn | None = None,
+    timeout: float | None = None,
+    prefetch_numel: int | None = None,
+    max_live_numel: int | None = None,
+    max_reuse_distance: int | None = None,
+    persist_numel: int | None = None,
+) -> nn.Module:
+    """Shard `model` across the process group, exactly as `zrs.compile` does, and train it
+    eagerly: no torch.compile, so nothing to capture and no compile time, and batches of any
+    shape run as they come.
+
+    Hooks on the model's *units* (each layer of a stack of repeated blocks, and each other
+    module with parameters of its own) execute the decisions of a coordinator in zrs-core. The
+    first step records the order in which units fetch their parameters; later steps follow
+    that trace: before a unit's forward its parameters are gathered (one collective per unit)
+    and the next units' parameters are prefetched; after it they are released unless they are
+    used again soon; the backward gathers each unit's parameters again, prefetching by the
+    reverse trace, and releases each parameter once its gradient is complete. Gradients go
+    through the same bucketed, pre-divided reduce-scatter as the compiled path, into
+    `param.grad`. When a step fetches units in another order, the coordinator warns once (on the
+    "zrs" logger), stops prefetching for that step and records the order again. At the end of
+    the first step the ranks compare their traces: a ZrsError names the first module that
+    differs.
+
+    Args (the sizes count elements of gathered parameters):
+        process_group, param_dtype, reduce_dtype, init_fn, timeout: as for `zrs.compile`.
+        prefetch_numel: elements prefetched ahead of the running unit, by the trace. Default:
+            the largest unit's (one unit ahead).
+        max_live_numel: elements that prefetches and parameters kept for reuse may hold
+            gathered beyond what the running units need. Default: 3 x the largest unit's.
+        max_reuse_distance: a parameter used again within this many gathered elements (by the
+            trace, the backward included) stays gathered after its unit's forward: the last
+            unit's parameters, which the backward starts with, are not gathered twice. Default:
+            the largest unit's.
+        persist_numel: parameters with fewer elements stay gathered across steps (they are
+            gathered again only after an optimizer step). Default: 0 (none).
+
+    Returns the same model object, sharded in place.
+    """
+    _check_common(timeout, param_dtype, reduce_dtype, model)
+    limits = {
+        "prefetch_numel": prefetch_numel,
+        "max_live_numel": max_live_numel,
+        "max_reuse_distance": max_reuse_distance,
+        "persist_numel": persist_numel,
+    }
+    for name, value in limits.items():
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 0
+        ):
+            raise ZrsError(
+                f"{name} must be a number of elements (an int >= 0) or None, not {value!r}"
+            )
+    settings = {
+        "api": "shard",
+        "param_dtype": param_dtype,
+        "reduce_dtype": reduce_dtype,
+        "timeout": timeout,
+        **limits,
+    }
+    group = wrap.resolve_group(process_group)
+    state, _ = wrap.shard_in_place(
+        model, "zrs.shard", settings, group=group, init_fn=init_fn, regions=False
+    )
+    units.install(model, state, layered=True, limits=limits)
+    model._compiled_call_impl = wrap.guarded(model, model._call_impl)
+    return model
+
+
+def _check_common(
+    timeout: float | None,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    model: nn.Module,
+) -> None:
+    if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
+        raise ZrsError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
+    options.check_dtype("param_dtype", param_dtype)
+    options.check_dtype("reduce_dtype", reduce_dtype)
+    options.check_param_dtypes(model)

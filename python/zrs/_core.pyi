@@ -164,3 +164,93 @@ def fit_cost_model(
     world: int,
 ) -> str:
     """Fit latency + bytes/bandwidth from (full bytes, microseconds) samples; JSON."""
+
+# --- eager path (rust/zrs-core/src/eager; one call per module hook) ---
+
+_Fetch = tuple[list[int], list[int], list[list[int]], tuple[int, int | None, int] | None]
+"""What a hook does: ``(issue, wait, prefetch, diverged)``. ``issue``: released parameters
+needed now (gather them in one fused collective and wait); ``wait``: needed now and in flight
+from a prefetch (wait for them); ``prefetch``: start gathering these, one fused collective per
+group (one group per upcoming unit activation, in order). The three are disjoint.
+``diverged``: ``(position, expected unit or None, unit)`` once, when this forward departs from
+the trace."""
+
+@final
+class Coordinator:
+    """The eager path's parameter coordinator (DeepSpeed's PartitionedParameterCoordinator as a
+    state machine): module hooks report what runs, it answers what to gather, prefetch, keep and
+    release. Slots are parameters (0..n), units are modules that fetch parameters (0..m).
+
+    The first step's forward is recorded (trace mode "record": gather on demand, release after
+    each unit); at its end the recording becomes the trace ("complete"): later steps prefetch
+    the units ahead (forward, then backward in reverse) and keep a parameter gathered when its
+    next use is within ``max_reuse_distance`` elements. A forward that departs from the trace
+    ("invalid") gathers on demand until its step ends; the next step records afresh. Raises
+    ZrsError for unknown slots or units and for hooks out of place."""
+
+    def __new__(
+        cls,
+        params: Sequence[tuple[int, int, bool]],
+        units: Sequence[Sequence[int]],
+        grad_bucket_numel: int,
+        prefetch_numel: int | None = None,
+        max_live_numel: int | None = None,
+        max_reuse_distance: int | None = None,
+        persist_numel: int | None = None,
+    ) -> Coordinator:
+        """``params``: ``(numel, shard_numel, requires_grad)`` per slot, numel gathered (padded)
+        and shard_numel per rank. ``units``: each unit's own slots (possibly none; a slot may
+        belong to several units, as tied weights do). Limits in gathered elements, defaulting
+        from the largest unit's numel: ``prefetch_numel`` that (one unit ahead always fits),
+        ``max_live_numel`` 3x that, ``max_reuse_distance`` that, ``persist_numel`` 0 (parameters
+        of fewer elements are gathered once and kept until ``reset``)."""
+    def begin_forward(self, training: bool) -> list[int]:
+        """The root's forward starts; ``training``: a backward will follow. Ends a step still
+        open (as ``end_backward`` would) and returns the slots to release; during a backward
+        (an activation-checkpoint recompute) it does nothing."""
+    def pre_forward(self, unit: int) -> _Fetch:
+        """A unit's forward starts: its own parameters, and with a complete trace the prefetch
+        of the units after it. After the forward returned it is a recompute: held for the
+        backward, no prefetch."""
+    def fetch(self, slot: int) -> _Fetch:
+        """A read of a parameter outside a unit that owns it: held by the innermost running
+        unit (recorded as its parameter) or, in a backward, by the backward. Raises ZrsError
+        outside any forward or backward."""
+    def post_forward(self, unit: int) -> list[int]:
+        """A unit's forward returned: the slots to release (those its next use keeps gathered
+        and persistent ones stay)."""
+    def end_forward(self) -> list[int]:
+        """The root's forward returned: without a backward to follow the step ends here and
+        every non-persistent parameter is released; otherwise nothing."""
+    def pre_backward(self, unit: int) -> _Fetch:
+        """A unit's backward starts: what its last forward activation fetched, except
+        parameters whose gradient is complete, and with a complete trace the prefetch of the
+        units before it."""
+    def grad_ready(self, slot: int) -> tuple[bool, int, bool]:
+        """A parameter's gradient for this backward is complete: ``(release, bucket_numel,
+        flush)``: free the gathered copy; the per-rank elements of its planned gradient bucket
+        (0: none planned); it is the bucket's last, reduce-scatter it now."""
+    def end_backward(self) -> tuple[list[int], bool]:
+        """The backward ended: the slots to release and ``recorded`` (the recording became the
+        trace: compare ``trace_units``/``trace_params`` across ranks)."""
+    def reset(self) -> list[int]:
+        """The shards changed (an optimizer step) or the step failed: release everything,
+        persistent parameters included; a partial recording is discarded, a trace kept."""
+    @property
+    def mode(self) -> Literal["record", "complete", "invalid"]: ...
+    @property
+    def live_numel(self) -> int:
+        """Elements of the non-persistent parameters gathered or in flight."""
+    def trace_units(self) -> list[int]:
+        """The trace's units in forward order (empty while recording)."""
+    def trace_params(self) -> list[tuple[int, int]]:
+        """The trace's ``(position, slot)`` entries in order (empty while recording)."""
+    def status(self, slot: int) -> Literal["released", "in_flight", "gathered"]: ...
+    @property
+    def prefetch_numel(self) -> int: ...
+    @property
+    def max_live_numel(self) -> int: ...
+    @property
+    def max_reuse_distance(self) -> int: ...
+    @property
+    def persist_numel(self) -> int: ...

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,12 +17,62 @@ from torch._dynamo.exc import TorchDynamoException
 from torch.fx.experimental import _config as fx_config
 from torch.utils._pytree import tree_map
 
-from zrs import hf
-from zrs._core import ZrsError
+from zrs import hf, options
+from zrs._core import Registry, ZrsError
+from zrs.runtime import kernels
 from zrs.runtime.collectives import new_group_like
 from zrs.runtime.exchange import Peers, group_timeout
+from zrs.runtime.handles import LIVE
 from zrs.runtime.state import ZeroState
-from zrs.shard import check_devices, drop_regions
+from zrs.sharding import InitFn, check_devices, drop_regions, shard_model
+from zrs.units import ROOT
+
+
+def shard_in_place(
+    model: nn.Module,
+    api: str,
+    settings: dict[str, Any],
+    *,
+    group: dist.ProcessGroup | None,
+    init_fn: InitFn | None,
+    regions: bool,
+    **state_options: Any,
+) -> tuple[ZeroState, int]:
+    """What zrs.compile and zrs.shard share: agree on the model and `settings` across the ranks,
+    make the communicators, shard every parameter. The model's state, and the call's number
+    (every rank counts alike)."""
+    device = resolve_device(model, group)
+    world = dist.get_world_size(group) if group is not None else 1
+    entry = next(LIVE.compile_calls)
+    timeout = settings["timeout"]
+    links = Links(group, timeout, entry)
+    if links.peers is not None:  # before any collective: a mismatch there hangs or aborts
+        links.peers.agree(f"{api} call {entry}", describe(model, settings))
+        links.connect(settings.get("separate_reduce_communicator", True))
+    param_dtype = settings["param_dtype"]
+    state = ZeroState(
+        group=group,
+        world_size=world,
+        rank=dist.get_rank(group) if group is not None else 0,
+        device=device,
+        param_dtype=param_dtype,
+        reduce_dtype=options.default_reduce_dtype(model, settings["reduce_dtype"]),
+        registry=Registry(world),
+        timeout=links.timeout,
+        gather_group=links.gather_group,
+        reduce_group=links.reduce_group,
+        control_group=links.control_group,
+        peers=links.peers,
+        **state_options,
+    )
+    if device.type == "cuda":
+        kernels.build_in_background()  # nvcc runs while the model is sharded (and compiled)
+    shard_model(model, state, init_fn, regions)
+    model._zrs_state = state
+    hf.adopt_conventions(model)
+    if param_dtype is not None:
+        model.register_forward_pre_hook(cast_inputs(param_dtype), with_kwargs=True)
+    return state, entry
 
 
 def resolve_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
@@ -32,7 +83,7 @@ def resolve_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         raise ZrsError(
-            f"zrs.compile was called before torch.distributed.init_process_group, but "
+            f"zrs.compile (or zrs.shard) was called before torch.distributed.init_process_group, but "
             f"WORLD_SIZE={world}: call dist.init_process_group('nccl' on GPUs, 'gloo' on CPU) "
             "first, or pass process_group="
         )
@@ -106,16 +157,6 @@ def compile_in_place(model: nn.Module, backend: Any, entry: int, dynamic: bool |
     compile it again with every layer traced on its own (what `regions=False` does)."""
     compiled = _compiled_forward(model, backend, f"zrs_forward_{entry}", dynamic)
 
-    state: ZeroState = model._zrs_state
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        state.begin_forward(model.training)
-        try:
-            return call(*args, **kwargs)
-        except Exception as e:
-            state.abandon_step(e)
-            raise
-
     def call(*args: Any, **kwargs: Any) -> Any:
         nonlocal compiled
         try:
@@ -137,7 +178,30 @@ def compile_in_place(model: nn.Module, backend: Any, entry: int, dynamic: bool |
             with hf.call_scope(model, args, kwargs):
                 return compiled(*args, **kwargs)
 
-    model._compiled_call_impl = forward
+    model._compiled_call_impl = guarded(model, call)
+
+
+def guarded(model: nn.Module, call: Callable[..., Any]) -> Callable[..., Any]:
+    """The model's forward: `call` between the step check and the root unit of the eager path
+    (`units.py`); a forward that raises leaves nothing behind (`ZeroState.abandon_step`)."""
+    state: ZeroState = model._zrs_state
+    fetcher = state.fetcher
+    assert fetcher is not None, "the eager path is installed before the forward"
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        state.begin_forward(model.training)
+        try:
+            fetcher.begin(torch.is_grad_enabled())
+            fetcher.enter(ROOT)
+            out = call(*args, **kwargs)
+            fetcher.exit(ROOT, out)
+            fetcher.end()
+            return out
+        except Exception as e:
+            state.abandon_step(e)
+            raise
+
+    return forward
 
 
 def _zrs_error(e: BaseException) -> ZrsError | None:

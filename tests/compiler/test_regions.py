@@ -18,7 +18,7 @@ from zrs.compiler import backend as dynamo_backend
 from zrs.compiler import pipeline
 from zrs.compiler._fx import is_op
 from zrs.runtime import state as runtime
-from zrs.shard import repeated_blocks
+from zrs.sharding import repeated_blocks
 
 BACKENDS = ["eager", "inductor"]
 INVOKE = torch.ops.higher_order.invoke_subgraph

@@ -2,9 +2,10 @@
 
 Four groups of gloo workers run in order, each a fresh set of processes:
 
-* world 2 trains, saves (PyTorch's DCP recipe with SGD-momentum on inductor, `zrs.checkpoint`'s
-  async save with AdamW on eager), trains on uninterrupted, and checks the ordinary calls: clip,
-  GradScaler, hooks, full state dicts in and out, `save_pretrained`, bad checkpoints;
+* world 2 trains, saves (PyTorch's DCP recipe with SGD-momentum on inductor and on `zrs.shard`,
+  `zrs.checkpoint`'s async save with AdamW on eager), trains on uninterrupted, and checks the
+  ordinary calls on a compiled and on an eager (`zrs.shard`) model: clip, GradScaler, hooks, full
+  state dicts in and out, `save_pretrained`; and bad checkpoints;
 * world 1 and world 3 load world 2's checkpoints (world 3 saves what it loaded);
 * world 2 resumes from its own checkpoints and loads world 3's.
 
@@ -40,7 +41,10 @@ RUNS = (
     ("hf_gpt2", "inductor", "sgd", "dcp"),
     ("hf_gpt2", "eager", "adamw", "zrs_async"),
     ("scalar_param", "eager", "sgd", "zrs"),
+    ("hf_gpt2", "shard", "sgd", "dcp"),
 )
+# zrs.compile's backends for the ordinary calls, and "shard": zrs.shard, the eager path
+CALLS = ("eager", "shard")
 
 
 def _name(run: tuple[str, ...]) -> str:
@@ -60,11 +64,17 @@ def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2)
 
 
-def _new(run: tuple[str, ...]) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
+def _sharded(spec: Any, backend: str) -> torch.nn.Module:
     import zrs
 
+    if backend == "shard":
+        return zrs.shard(spec.build())
+    return zrs.compile(spec.build(), backend=backend)
+
+
+def _new(run: tuple[str, ...]) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
     spec = spec_of(run[0])
-    model = zrs.compile(spec.build(), backend=run[1])
+    model = _sharded(spec, run[1])
     return spec, model, _optimizer(run[2], model.parameters())
 
 
@@ -141,15 +151,17 @@ def _first_group(rank: int, world: int, root: str) -> dict[str, Any]:
         out[("saved", run)] = _full(model, opt)
         _train(spec, model, opt, rank, range(K, 2 * K))
         out[("uninterrupted", run)] = _full(model, opt)["model"]
-    out.update(_ordinary_calls(rank, root))
+    for backend in CALLS:
+        out[backend] = _ordinary_calls(rank, root, backend)
+    out.update(_bad_checkpoints(rank, root))
     return out
 
 
-def _ordinary_calls(rank: int, root: str) -> dict[str, Any]:
+def _ordinary_calls(rank: int, root: str, backend: str) -> dict[str, Any]:
     import zrs
 
     out: dict[str, Any] = {}
-    spec, model, opt = _new(("hf_gpt2", "eager", "sgd"))
+    spec, model, opt = _new(("hf_gpt2", backend, "sgd"))
     calls: list[bool] = []
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: calls.append(p.grad is not None))
@@ -172,12 +184,11 @@ def _ordinary_calls(rank: int, root: str) -> dict[str, Any]:
     scaler.update()
     after = zrs.full_state_dict(model)
     out["scaler"] = (scaler.get_scale(), all(torch.equal(before[k], after[k]) for k in before))
-    out.update(_full_state_dicts(rank, root, spec))
-    out.update(_bad_checkpoints(rank, root))
+    out.update(_full_state_dicts(rank, root, spec, backend))
     return out
 
 
-def _full_state_dicts(rank: int, root: str, spec: Any) -> dict[str, Any]:
+def _full_state_dicts(rank: int, root: str, spec: Any, backend: str) -> dict[str, Any]:
     import zrs
 
     out: dict[str, Any] = {}
@@ -186,8 +197,8 @@ def _full_state_dicts(rank: int, root: str, spec: Any) -> dict[str, Any]:
         for p in plain.parameters():
             p.mul_(-0.5)  # weights that differ from the model's own
     full = plain.state_dict()
-    model = zrs.compile(spec.build(), backend="eager")
-    model.load_state_dict(full)  # before the first compiled step
+    model = _sharded(spec, backend)
+    model.load_state_dict(full)  # before the first step
     out["loaded_before"] = _same(zrs.full_state_dict(model), full)
     spec.loss(model, spec.batch(rank, 0)).backward()
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -198,12 +209,12 @@ def _full_state_dicts(rank: int, root: str, spec: Any) -> dict[str, Any]:
     exported = zrs.full_state_dict(model, rank0_only=True, cpu_offload=True)
     out["rank0_only"] = (len(exported), all(t.device.type == "cpu" for t in exported.values()))
     if rank == 0:
-        where = os.path.join(root, "pretrained")
+        where = os.path.join(root, f"pretrained-{backend}")
         model.save_pretrained(where, state_dict=dict(exported))
         loaded = type(model).from_pretrained(where)
         out["pretrained"] = _same(loaded.state_dict(), full)
     # The DDP habit: rank 0 saves its state_dict(), every rank loads it.
-    where = os.path.join(root, "rank0.pt")
+    where = os.path.join(root, f"rank0-{backend}.pt")
     if rank == 0:
         torch.save(model.state_dict(), where)
     dist.barrier()
@@ -296,6 +307,11 @@ def _group(name: str) -> dict[str, Any]:
     raise KeyError(name)
 
 
+def _calls(backend: str) -> list[dict[str, Any]]:
+    """Every rank's results of the ordinary calls on a model of `backend` (world 2)."""
+    return [r[backend] for r in _group("first")["all_ranks"]]
+
+
 def _assert_equal(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
     assert got.keys() == want.keys(), f"{what}: keys differ"
     for key in want:
@@ -334,49 +350,52 @@ def test_dcp_to_torch_save_loads_into_the_plain_model(tmp_path):
     _assert_equal(plain.state_dict(), first[("saved", run)]["model"], "dcp_to_torch_save")
 
 
-def test_the_gradient_norm_is_the_true_one_on_every_rank():
-    first = _group("first")
+@pytest.mark.parametrize("backend", CALLS)
+def test_the_gradient_norm_is_the_true_one_on_every_rank(backend):
+    calls = _calls(backend)
     spec = spec_of("hf_gpt2")
     reference = spec.build()
     for rank in range(2):
         (spec.loss(reference, spec.batch(rank, 0)) / 2).backward()
     want = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]).item()
-    norms = [r["norm"] for r in first["all_ranks"]]
+    norms = [r["norm"] for r in calls]
     assert norms[0] == norms[1]
     assert norms[0] == pytest.approx(want, rel=1e-5)
 
 
-def test_one_ranks_inf_is_seen_by_every_rank():
-    first = _group("first")
-    assert [r["norm_finite"] for r in first["all_ranks"]] == [False, False]
+@pytest.mark.parametrize("backend", CALLS)
+def test_one_ranks_inf_is_seen_by_every_rank(backend):
+    calls = _calls(backend)
+    assert [r["norm_finite"] for r in calls] == [False, False]
     # GradScaler: every rank skipped the step and halved its scale
-    assert [r["scaler"] for r in first["all_ranks"]] == [(128.0, True), (128.0, True)]
+    assert [r["scaler"] for r in calls] == [(128.0, True), (128.0, True)]
 
 
-def test_post_accumulate_grad_hooks_see_the_gradient():
-    first = _group("first")
-    for r in first["all_ranks"]:
+@pytest.mark.parametrize("backend", CALLS)
+def test_post_accumulate_grad_hooks_see_the_gradient(backend):
+    for r in _calls(backend):
         with_grad, without, params = r["hook_calls"]
         assert (with_grad, without) == (params, 0)
 
 
-def test_load_state_dict_of_a_full_state_dict():
-    first = _group("first")
-    for r in first["all_ranks"]:
+@pytest.mark.parametrize("backend", CALLS)
+def test_load_state_dict_of_a_full_state_dict(backend):
+    for r in _calls(backend):
         assert r["loaded_before"] and r["loaded_after"]
         assert r["recompiled"] == 0
 
 
-def test_full_state_dict_on_rank_0_only_and_save_pretrained():
-    first = _group("first")
+@pytest.mark.parametrize("backend", CALLS)
+def test_full_state_dict_on_rank_0_only_and_save_pretrained(backend):
+    calls = _calls(backend)
     n = len(spec_of("hf_gpt2").build().state_dict())
-    assert [r["rank0_only"] for r in first["all_ranks"]] == [(n, True), (0, True)]
-    assert first["pretrained"]
+    assert [r["rank0_only"] for r in calls] == [(n, True), (0, True)]
+    assert calls[0]["pretrained"]
 
 
-def test_one_ranks_state_dict_loaded_on_another_rank_raises():
-    first = _group("first")
-    habits = [r["ddp_habit"] for r in first["all_ranks"]]
+@pytest.mark.parametrize("backend", CALLS)
+def test_one_ranks_state_dict_loaded_on_another_rank_raises(backend):
+    habits = [r["ddp_habit"] for r in _calls(backend)]
     assert habits[0] is None  # rank 0 loads its own rows
     assert habits[1] is not None and "rows of rank 0 of 2" in habits[1]
 

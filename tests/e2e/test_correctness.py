@@ -30,8 +30,9 @@ from zoo import (
 
 WORLD_SIZES = (1, 2, 3)
 # A backend, optionally with a scheduler after "-" (default: zrs.compile's, the search). The
-# greedy scheduler runs the zoo too, on the cheaper eager backend.
-BACKENDS = ("eager", "inductor", "eager-greedy")
+# greedy scheduler runs the zoo too, on the cheaper eager backend. "shard": zrs.shard, the eager
+# path (nothing compiled).
+BACKENDS = ("eager", "inductor", "eager-greedy", "shard")
 MODELS = tuple(ZOO)
 
 # fp32 end to end: sharding, gathering and the pre-divided reduce-scatter only change the order
@@ -163,11 +164,13 @@ def test_parameters_are_sharded(backend: str, world: int, model: str) -> None:
 @pytest.mark.parametrize(("backend", "world", "model"), PARAMS)
 def test_compiled_by_zrs(backend: str, world: int, model: str) -> None:
     """The zrs backend compiled the whole forward: one graph per frame and no graph break
-    except the model's explicit one. (When a backend fails on a graph, dynamo falls back with a
+    except the model's explicit one (zrs.shard: no graph at all). (When a backend fails on a graph, dynamo falls back with a
     graph break and runs the code eagerly: the numbers would still match the reference.)"""
     per_rank, _ = _run(backend, world, model)
     spec = ZOO[model]
     expected_graphs = 2 if spec.explicit_graph_break else 1
+    if backend == "shard":
+        expected_graphs = 0  # zrs.shard compiles nothing
     for rank, r in enumerate(per_rank):
         bad = unexpected_graph_breaks(spec, r["graph_breaks"])
         assert not bad, f"rank {rank}: unexpected graph break(s):\n" + "\n---\n".join(bad)

@@ -27,8 +27,9 @@ def _recovered(r: dict) -> None:
     assert not r["busy"]
 
 
-def test_every_rank_raising_in_a_phase_recovers_to_the_clean_skip():
-    for r in run_workers(faults.all_ranks_raise, 2, TIMEOUT, timeout=BOUND):
+@pytest.mark.parametrize("backend", ["eager", "shard"])
+def test_every_rank_raising_in_a_phase_recovers_to_the_clean_skip(backend):
+    for r in run_workers(faults.all_ranks_raise, 2, TIMEOUT, backend, timeout=BOUND):
         _recovered(r)
         assert r["timeouts"] == [TIMEOUT] * 3, "every communicator zrs made waits `timeout`"
 
@@ -40,10 +41,12 @@ def test_one_process_recovers_under_inductor_too():
 _RAISES = {}
 
 
-def _one_rank_raises(phase: str) -> list[dict]:
-    if phase not in _RAISES:
-        _RAISES[phase] = run_workers(faults.one_rank_raises, 2, TIMEOUT, phase, timeout=BOUND)
-    return [r["errors"] for r in _RAISES[phase]]
+def _one_rank_raises(phase: str, backend: str = "eager") -> list[dict]:
+    if (phase, backend) not in _RAISES:
+        _RAISES[phase, backend] = run_workers(
+            faults.one_rank_raises, 2, TIMEOUT, phase, backend, timeout=BOUND
+        )
+    return [r["errors"] for r in _RAISES[phase, backend]]
 
 
 def test_a_forward_that_raises_on_one_rank_stops_every_rank_within_the_timeout():
@@ -65,6 +68,17 @@ def test_a_backward_that_raises_on_one_rank_stops_every_rank_within_the_timeout(
     _within_timeout(failed[1])
 
 
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_the_eager_path_stops_every_rank_within_the_timeout(phase):
+    """zrs.shard: one rank raising in its forward or backward stops every rank, as compiled."""
+    peer, failed = _one_rank_raises(phase, "shard")
+    assert failed[0]["kind"] == "Fault"
+    _within_timeout(peer[0])
+    _within_timeout(failed[1])
+    for errors in (peer, failed):
+        assert errors[-1]["kind"] == "ZrsError" and "restart" in errors[-1]["error"]
+
+
 def test_an_optimizer_step_that_raises_on_one_rank_is_found_at_the_next_forward():
     peer, failed = _one_rank_raises("optimizer")
     assert failed[0]["kind"] == "Fault"
@@ -82,6 +96,7 @@ _EXPECTED = {
     "eval_on_one_rank": "training",
     "shape_on_one_rank": "compile",
     "branch_on_one_rank": "compile",
+    "module_order_on_one_rank": "module b fetched b.weight, b.bias",
 }
 
 

@@ -41,13 +41,17 @@ BF16_ATOL, UPDATE_RTOL, STILL = 6e-3, 0.15, 1e-5
 
 FP32 = [
     pytest.param(backend, world, model, id=f"{backend}-w{world}-{model}")
-    for backend in ("eager", "inductor")
+    for backend in ("eager", "inductor", "shard")
     for world in (1, 2, 3)
     for model in MODELS
 ]
 # bf16 on the eager backend only: inductor's bf16 path is the own zoo's (test_mixed_precision),
 # and an inductor group of these models costs ~7 minutes of CI.
-BF16 = [pytest.param("eager", 2, model, id=f"eager-w2-{model}-bf16") for model in BF16_MODELS]
+BF16 = [
+    pytest.param(backend, 2, model, id=f"{backend}-w2-{model}-bf16")
+    for backend in ("eager", "shard")
+    for model in BF16_MODELS
+]
 
 
 def _case(model: str, backend: str, bf16: bool) -> Case:

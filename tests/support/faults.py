@@ -88,8 +88,12 @@ class Net(nn.Module):
 def build(
     timeout: float | None, backend: str = "eager", **kwargs: Any
 ) -> tuple[Net, torch.optim.Optimizer]:
+    """Net under zrs.compile with `backend`, or under zrs.shard (`backend="shard"`)."""
     torch.manual_seed(0)
-    model = zrs.compile(Net(), backend=backend, timeout=timeout, **kwargs)
+    if backend == "shard":
+        model = zrs.shard(Net(), timeout=timeout, **kwargs)
+    else:
+        model = zrs.compile(Net(), backend=backend, timeout=timeout, **kwargs)
     return model, torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
 
 
@@ -172,16 +176,19 @@ def all_ranks_raise(
     state = failing._zrs_state
     groups = [state.gather_group, state.reduce_group, state.control_group]
     timeouts = [group_timeout(g).total_seconds() for g in groups if g is not None]
-    return {"caught": caught, "same": same, "busy": state.step.busy(), "timeouts": timeouts}
+    busy = state.step.busy() or state.fetcher.busy()
+    return {"caught": caught, "same": same, "busy": busy, "timeouts": timeouts}
 
 
 # --- one rank raises ----------------------------------------------------------------------------
 
 
-def one_rank_raises(rank: int, world: int, timeout: float, phase: str) -> dict[str, Any]:
+def one_rank_raises(
+    rank: int, world: int, timeout: float, phase: str, backend: str = "eager"
+) -> dict[str, Any]:
     """Rank 1 raises in `phase` ("forward", "backward" or "optimizer") at step 1; every rank
     catches what it gets and goes on with the next batch, as a skip-on-error loop does."""
-    model, opt = build(timeout)
+    model, opt = build(timeout, backend)
     name = f"one_rank_{phase}"
     errors: list[dict[str, Any]] = []
 
@@ -284,6 +291,15 @@ def disagreements(rank: int, world: int, timeout: float) -> dict[str, dict[str, 
             model(batch(rank, step, rows)).sum().backward()
             opt.step()
 
+    def module_order_on_one_rank() -> None:
+        """zrs.shard: the same modules, run in another order on rank 1 from the first step."""
+        model = nn.Module()
+        model.a, model.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        zrs.shard(model, timeout=timeout)
+        first, then = (model.a, model.b) if rank == 0 else (model.b, model.a)
+        mark()
+        then(first(torch.ones(2, 4))).sum().backward()
+
     def branch_on_one_rank() -> None:
         model, opt = build(timeout)
         for step in range(3):
@@ -301,6 +317,7 @@ def disagreements(rank: int, world: int, timeout: float) -> dict[str, dict[str, 
         "eval_on_one_rank": eval_on_one_rank,
         "shape_on_one_rank": shape_on_one_rank,
         "branch_on_one_rank": branch_on_one_rank,
+        "module_order_on_one_rank": module_order_on_one_rank,
     }
     for case, run in cases.items():
         dist.barrier()  # every case starts together

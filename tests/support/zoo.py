@@ -385,7 +385,7 @@ class Case:
     """One zrs training run inside a group of workers."""
 
     model: str
-    backend: str
+    backend: str  # zrs.compile's backend, or "shard": zrs.shard
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     steps: int = STEPS
@@ -424,7 +424,11 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
         kwargs["reduce_dtype"] = case.reduce_dtype
     if case.scheduler is not None:
         kwargs["scheduler"] = case.scheduler
-    compiled = zrs.compile(model, **kwargs)
+    if case.backend == "shard":  # the eager path: zrs.shard, nothing compiled
+        del kwargs["backend"]
+        compiled = zrs.shard(model, **kwargs)
+    else:
+        compiled = zrs.compile(model, **kwargs)
     local = [
         (
             tuple(p.shape),

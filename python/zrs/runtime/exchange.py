@@ -139,7 +139,13 @@ class Peers:
             )
             raise ZrsError(message) from None
 
-    def agree(self, what: str, lines: list[str]) -> None:
+    def agree(
+        self,
+        what: str,
+        lines: list[str],
+        hint: str = "every rank must build the same model and call zrs.compile with the same "
+        "options",
+    ) -> None:
         """Raise the same ZrsError on every rank unless every rank passes the same `lines`; it
         names the first line that differs. Only digests go through the store, unless they
         differ."""
@@ -161,8 +167,7 @@ class Peers:
         i, line_a, line_b = first_difference(a, b)
         raise ZrsError(
             f"ranks disagree on {what}: line {i} is `{line_a}` on rank 0 but `{line_b}` on rank "
-            f"{other}. Every rank must build the same model and call zrs.compile with the same "
-            "options"
+            f"{other}: {hint}"
         )
 
     def arrive(self, what: str) -> None:

@@ -84,6 +84,8 @@ class Live:
         for state in self.models():
             if state.step.kept:
                 drop_kept(state)
+            if state.fetcher is not None:
+                state.fetcher.reset()  # a gathered copy would be stale
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
         ids = {id(p) for g in optimizer.param_groups for p in g["params"]}

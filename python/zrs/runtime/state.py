@@ -27,6 +27,7 @@ from zrs.runtime.exchange import Peers, all_gather_ints
 from zrs.runtime.handles import LIVE, ParamHandle
 
 if TYPE_CHECKING:  # the step's contents are defined by the modules that fill them
+    from zrs.runtime.fetch import Fetcher
     from zrs.runtime.gather import Flat, InFlight
     from zrs.runtime.grads import Bucket, Reduce
 
@@ -123,6 +124,9 @@ class ZeroState:
     # A gloo group over `group`'s ranks for asynchronous checkpoint saves (zrs.checkpoint).
     checkpoint_group: dist.ProcessGroup | None = None
     step: StepState = field(default_factory=StepState)
+    # The eager path (`runtime/fetch.py`): the leaves that module code reads outside compiled
+    # graphs and the coordinator that decides their gathers. Set by zrs.shard / zrs.compile.
+    fetcher: Fetcher | None = None
     # What the ranks compare before each forward (STEP_COUNTERS).
     forwards: int = 0
     backwards: int = 0
@@ -250,7 +254,8 @@ class ZeroState:
                 f"rank {self.rank} raised {type(exc).__name__}({first!r}) in forward call "
                 f"{self.forwards}"
             )
-        if self.broken is None and self.step.busy():
+        eager_busy = self.fetcher is not None and self.fetcher.busy()
+        if self.broken is None and (self.step.busy() or eager_busy):
             # A failure here marks the model broken (the next call says why); `exc` is this
             # rank's own error, and it is what the caller sees.
             with contextlib.suppress(ZrsError):
@@ -262,6 +267,8 @@ class ZeroState:
         st, self.step = self.step, StepState()
         flights = {id(f): f for f in st.in_flight.values()}.values()
         try:
+            if self.fetcher is not None:
+                self.fetcher.reset()
             for flight in flights:
                 flight.complete()
             for r in st.reducing:
@@ -282,4 +289,6 @@ def reset() -> None:
     """Forget every live model's step state at once, without waiting (tests)."""
     for state in LIVE.models():
         state.step = StepState()
+        if state.fetcher is not None:
+            state.fetcher.forget()
         state.registry.drop_all_gathers()

@@ -54,6 +54,48 @@ pub enum Error {
         base: u64,
     },
 
+    #[error(
+        "unknown unit {0}: the eager coordinator was built with fewer units; build it again \
+         after changing the model's modules"
+    )]
+    UnknownUnit(usize),
+
+    #[error(
+        "unit {0} ran its forward outside the model's forward: the eager path gathers parameters \
+         per step, so call the model (its root module) rather than one of its submodules"
+    )]
+    ForwardOutsideStep(usize),
+
+    #[error(
+        "parameter slot {0} was read outside any forward: the eager path gathers a parameter \
+         only while a module's forward or backward runs; read it inside the model's forward"
+    )]
+    ReadOutsideForward(usize),
+
+    #[error(
+        "unit {0} ended a forward it never began (no pre_forward of it is open); the module hooks \
+         are out of step (please report this as a zrs bug)"
+    )]
+    UnitNotActive(usize),
+
+    #[error(
+        "backward of unit {0} without a training forward before it: run the forward with \
+         gradients enabled before calling backward"
+    )]
+    BackwardOutsideStep(usize),
+
+    #[error(
+        "gradient of parameter slot {0} outside a backward: run the forward with gradients \
+         enabled before calling backward"
+    )]
+    GradOutsideBackward(usize),
+
+    #[error(
+        "gradient of parameter slot {0}, which was frozen (requires_grad=False) when the eager \
+         coordinator was built; build it again after changing requires_grad"
+    )]
+    GradOfFrozen(usize),
+
     #[error("{0}")]
     Invalid(String),
 }

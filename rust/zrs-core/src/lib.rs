@@ -2,6 +2,7 @@
 //!
 //! The Python layer holds tensors; this crate holds ids, sizes, states and plans.
 
+pub mod eager;
 pub mod error;
 pub mod plan;
 pub mod registry;

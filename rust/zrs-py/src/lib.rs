@@ -3,6 +3,7 @@
 
 use pyo3::prelude::*;
 
+mod eager;
 mod error;
 mod plan;
 mod registry;
@@ -12,5 +13,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     error::register(m)?;
     registry::register(m)?;
     plan::register(m)?;
+    eager::register(m)?;
     Ok(())
 }

@@ -6,7 +6,8 @@ the same name: optimizers, `state_dict()`, torch.distributed.checkpoint, `clip_g
 GradScaler see what they see under FSDP2. Its local tensor is a view of this rank's flat, padded
 shard, which the gathers read. The owning module's class is swapped for a per-class subclass
 whose property of that name returns `torch.ops.zrs.gather(shard, ...)`: dynamo traces the gather
-like any op (SimpleFSDP's idea).
+like any op (SimpleFSDP's idea). Read eagerly inside a forward, it returns the eager path's
+gathered parameter instead (`runtime/fetch.py`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ Subclasses = dict[tuple[type, frozenset[str], bool], type]
 def _gathered(name: str) -> property:
     def get(self: nn.Module) -> torch.Tensor:
         ds_id, shape, dtype = self._zrs_params[name]
+        if not torch.compiler.is_compiling():
+            fetcher = self._zrs_fetcher
+            if fetcher.depth:  # inside a forward: the eager path's leaf (runtime/fetch.py)
+                return fetcher.param(ds_id)
         # Traced, the id stays out of the graph (the backend resolves it from the shard), so the
         # layers of a repeated block trace to one shared body (compiler/regions.py).
         traced_id = UNRESOLVED if torch.compiler.is_compiling() else ds_id

@@ -1,0 +1,333 @@
+"""The eager path's runtime: the gathered parameters that module code reads outside compiled
+graphs, and the collectives that the coordinator (`zrs._core.Coordinator`, zrs-core) asks for.
+
+Every sharded parameter has one *leaf*: a tensor of its full shape in the compute dtype, which
+autograd sees as a leaf and module code receives from the gather property. Its storage is
+allocated when the coordinator gathers it and resized to 0 when it releases it. Autograd's saved
+references stay valid because a parameter is gathered again before the backward of any module
+that used it. The collectives write through a second tensor over the same storage (`raw`: flat,
+padded), so the leaf's version counter never moves and autograd's saved-tensor check passes
+(FSDP2 writes its unsharded parameters the same way). Autograd sums the gradient over every use
+of the leaf; its post-accumulate hook hands the sum to the same bucketed, pre-divided
+reduce-scatter as the compiled path (`runtime/grads.py`).
+
+Python executes decisions only: which parameters to gather now, to wait for, to prefetch and to
+release come from the coordinator, once per module hook.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_leaves
+
+from zrs._core import Coordinator
+from zrs.runtime import grads
+from zrs.runtime.collectives import all_gather
+from zrs.runtime.handles import ParamHandle, names
+from zrs.runtime.state import ZeroState
+
+_log = logging.getLogger("zrs")
+
+
+@dataclass(eq=False)
+class Flight:
+    """One all-gather in flight: a parameter straight into its storage, or several packed
+    rank-major into `recv` (`fused`), unpacked into theirs at the wait."""
+
+    work: dist.Work | None
+    send: torch.Tensor  # kept alive until the collective completes
+    recv: torch.Tensor
+    slots: list[int]
+    offsets: list[int]  # each member's offset inside a rank block (fused)
+    fused: bool
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A module whose hooks fetch parameters: its name (for messages) and own parameters."""
+
+    name: str
+    handles: tuple[ParamHandle, ...]
+
+
+class Fetcher:
+    """One model's eager path: the leaves, the collectives in flight, the coordinator.
+
+    `depth` counts the unit activations running (the root's included): the gather property hands
+    out leaves only while it is positive, and falls back to a synchronous gather otherwise (a
+    parameter read outside any forward)."""
+
+    def __init__(self, state: ZeroState, units: Sequence[Unit], **limits: int | None) -> None:
+        self.state = state
+        hs = sorted(state.handles, key=lambda h: h.slot)
+        assert [h.slot for h in hs] == list(range(len(hs))), "one handle per registry slot"
+        self.handles = hs
+        self.slot_of = {h.ds_id: h.slot for h in hs}
+        self.units = list(units)
+        self.coordinator = Coordinator(
+            [(h.padded_numel, h.shard_numel, h.param.requires_grad) for h in hs],
+            [[h.slot for h in u.handles] for u in self.units],
+            grads.GRAD_BUCKET_NUMEL,
+            **limits,
+        )
+        self.raws: list[torch.Tensor] = []
+        self.leaves: list[torch.Tensor] = []
+        me = weakref.ref(self)
+        for h in hs:
+            raw, leaf = self._new_leaf(h)
+            self.raws.append(raw)
+            self.leaves.append(leaf)
+            if leaf.requires_grad:
+                leaf.register_post_accumulate_grad_hook(
+                    lambda _, slot=h.slot: _alive(me).grad_ready(slot)
+                )
+        self.ready = bytearray(len(hs))  # 1: gathered and waited for
+        self.flights: dict[int, Flight] = {}
+        self.depth = 0
+        self.entered: list[bool] = []  # per unit hook running: whether it entered the coordinator
+        self.open = False  # a step is open: from the root's forward to the end of its backward
+        self.backward_task = -1  # the autograd task whose final callback ends the step
+        self.training = False
+        self.agreed = False  # the first complete trace was compared across the ranks
+
+    def _new_leaf(self, h: ParamHandle) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = self.state.param_dtype or h.shard.dtype
+        raw = torch.empty(h.padded_numel, dtype=dtype, device=h.shard.device)
+        with torch.no_grad():
+            leaf = torch.empty(0, dtype=dtype, device=raw.device)
+            stride = torch.empty(h.shape, device="meta").stride()
+            leaf.set_(raw.untyped_storage(), 0, h.shape, stride)
+        leaf.requires_grad_(h.param.requires_grad)
+        raw.untyped_storage().resize_(0)
+        return raw, leaf
+
+    # --- what the hooks call ------------------------------------------------------------------
+
+    def begin(self, training: bool) -> None:
+        """The root's forward starts (`training`: a backward may follow)."""
+        if torch._C._current_graph_task_id() == -1:  # not a recompute inside the backward
+            self.training = training
+        self.open = True
+        self._free(self.coordinator.begin_forward(training))
+
+    def enter(self, unit: int) -> None:
+        # A module called outside the model's forward and backward (a submodule called on its
+        # own, as generate() does with the embedding): its parameters are gathered as they are
+        # read, synchronously, and the trace does not see it.
+        self.entered.append(self.open)
+        if self.open:
+            self.depth += 1
+            self._run(self.coordinator.pre_forward(unit))
+
+    def exit(self, unit: int, output: object) -> None:
+        if not self.entered.pop():
+            return
+        self.depth -= 1
+        self._free(self.coordinator.post_forward(unit))
+        if self.training and torch.is_grad_enabled():
+            self._before_backward(unit, output)
+
+    def end(self) -> None:
+        """The root's forward returned."""
+        self._free(self.coordinator.end_forward())
+        if not self.training:
+            self.open = False
+            self._check_trace()
+
+    def param(self, ds_id: int) -> torch.Tensor:
+        """The gathered leaf of a parameter that module code reads (gathering it if needed)."""
+        slot = self.slot_of[ds_id]
+        if not self.ready[slot]:
+            self._run(self.coordinator.fetch(slot))
+        return self.leaves[slot]
+
+    def grad_ready(self, slot: int) -> None:
+        """Autograd summed the leaf's gradient over every use: reduce it, release the leaf."""
+        leaf = self.leaves[slot]
+        grad, leaf.grad = leaf.grad, None
+        release, bucket_numel, _ = self.coordinator.grad_ready(slot)
+        self._queue_end_of_backward()
+        if grad is not None:
+            grads.reduce_grads(-1, [grad], [self.handles[slot].ds_id], [bucket_numel])
+        if release:
+            self._free([slot])
+
+    def reset(self) -> None:
+        """Drop everything gathered, persistent parameters included (the shards changed, or a
+        step stopped part-way); waits for the gathers in flight, which the peers issued too."""
+        self._clear()
+        self._free(self.coordinator.reset())
+        for flight in {id(f): f for f in self.flights.values()}.values():
+            self._complete(flight)
+
+    def busy(self) -> bool:
+        """True while something is gathered, in flight or running."""
+        return self.depth > 0 or bool(self.flights) or any(self.ready)
+
+    def forget(self) -> None:
+        """Drop everything without waiting for the collectives in flight (tests)."""
+        self.flights.clear()
+        self._clear()
+        self._free(self.coordinator.reset())
+
+    def _clear(self) -> None:
+        self.depth = 0
+        self.entered.clear()
+        self.open = False
+        self.backward_task = -1
+
+    # --- backward -----------------------------------------------------------------------------
+
+    def _before_backward(self, unit: int, output: object) -> None:
+        tensors = [
+            t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if not tensors:
+            return
+        me = weakref.ref(self)
+        torch.autograd.graph.register_multi_grad_hook(
+            tensors, lambda _: _alive(me).pre_backward(unit), mode="any"
+        )
+
+    def pre_backward(self, unit: int) -> None:
+        self._queue_end_of_backward()
+        self._run(self.coordinator.pre_backward(unit))
+
+    def _queue_end_of_backward(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task == -1 or task == self.backward_task:
+            return
+        self.backward_task = task
+        me = weakref.ref(self)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _alive(me).end_backward())
+
+    def end_backward(self) -> None:
+        self.backward_task = -1
+        self.open = False
+        released, recorded = self.coordinator.end_backward()
+        self._free(released)
+        if recorded:
+            self._agree_trace()
+
+    # --- the trace ----------------------------------------------------------------------------
+
+    def _check_trace(self) -> None:
+        """A step without backward may complete the trace too: compare it then."""
+        if self.coordinator.mode == "complete" and not self.agreed:
+            self._agree_trace()
+
+    def _agree_trace(self) -> None:
+        """At the end of the first recorded step every rank must have fetched the same modules'
+        parameters in the same order; else a ZrsError on every rank naming the first module
+        that differs (the gathers of the next step would pair up wrongly, or hang)."""
+        self.agreed = True
+        peers = self.state.peers
+        if peers is None:
+            return
+        params = {}
+        for position, slot in self.coordinator.trace_params():
+            params.setdefault(position, []).append(self.handles[slot].name)
+        lines = [
+            f"module {self.units[u].name or '(root)'} fetched {', '.join(params.get(i, [])) or '-'}"
+            for i, u in enumerate(self.coordinator.trace_units())
+        ]
+        with self.state.exchanging("the comparison of the eager trace"):
+            peers.agree(
+                "the order in which modules fetched their parameters in the first step",
+                lines,
+                hint="every rank must run the same modules in the same order (data-dependent "
+                "control flow must agree across ranks)",
+            )
+
+    def warn_diverged(self, diverged: tuple[int, int | None, int]) -> None:
+        position, expected, got = diverged
+        wanted = self.units[expected].name if expected is not None else "the end of the forward"
+        _log.warning(
+            "zrs: the forward ran module %s where the recorded trace had %s (module fetch %d): "
+            "the eager path stops prefetching for this step and records the order again",
+            self.units[got].name or "(root)",
+            wanted or "(root)",
+            position,
+        )
+
+    # --- executing a decision -----------------------------------------------------------------
+
+    def _run(self, fetch: tuple) -> None:
+        issue, wait, prefetch, diverged = fetch
+        if diverged is not None:
+            self.warn_diverged(diverged)
+        now = self._gather(issue) if issue else None
+        for group in prefetch:
+            flight = self._gather(group)
+            if flight is not None:
+                for slot in group:
+                    self.flights[slot] = flight
+        if now is not None:
+            self._complete(now)
+        for slot in wait:
+            flight = self.flights.get(slot)
+            if flight is not None:
+                self._complete(flight)
+        for slot in itertools.chain(issue, wait):
+            self.ready[slot] = 1
+
+    def _gather(self, slots: list[int]) -> Flight | None:
+        """Allocate the leaves' storage and start their all-gather (one collective); None when
+        nothing is left in flight (one rank: the shards are cast into place)."""
+        state = self.state
+        hs = [self.handles[s] for s in slots]
+        raws = [self.raws[s] for s in slots]
+        for raw in raws:
+            raw.untyped_storage().resize_(raw.numel() * raw.element_size())
+        shards = [h.shard.detach() for h in hs]
+        if state.world_size == 1:
+            with torch.no_grad():
+                torch._foreach_copy_(raws, shards)
+            return None
+        dtype = raws[0].dtype
+        if len(hs) == 1:
+            send = shards[0].to(dtype)
+            work = all_gather(raws[0], send, state.gather_group, async_op=True)
+            return Flight(work, send, raws[0], slots, [0], fused=False)
+        offsets = list(itertools.accumulate((h.shard_numel for h in hs), initial=0))
+        send = torch.empty(offsets[-1], dtype=dtype, device=raws[0].device)
+        torch.ops.zrs.pack_cast(shards, send)
+        recv = torch.empty(offsets[-1] * state.world_size, dtype=dtype, device=send.device)
+        work = all_gather(recv, send, state.gather_group, async_op=True)
+        return Flight(work, send, recv, slots, offsets[:-1], fused=True)
+
+    def _complete(self, flight: Flight) -> None:
+        for slot in flight.slots:
+            self.flights.pop(slot, None)
+        hs = [self.handles[s] for s in flight.slots]
+        self.state.wait(flight.work, lambda: f"the all-gather of {names(hs)} (eager)")
+        if flight.fused:
+            with torch.no_grad():
+                torch.ops.zrs.unpack_rank_major(
+                    flight.recv,
+                    self.state.world_size,
+                    flight.offsets,
+                    [h.shard_numel for h in hs],
+                    [self.raws[s] for s in flight.slots],
+                )
+
+    def _free(self, slots: list[int]) -> None:
+        for slot in slots:
+            flight = self.flights.get(slot)
+            if flight is not None:  # prefetched, never used: the collective still writes it
+                self._complete(flight)
+            self.ready[slot] = 0
+            self.raws[slot].untyped_storage().resize_(0)
+
+
+def _alive(ref: weakref.ref[Fetcher]) -> Fetcher:
+    fetcher = ref()
+    assert fetcher is not None, "a hook of a dropped model ran"
+    return fetcher

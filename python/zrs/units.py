@@ -1,0 +1,96 @@
+"""The eager path's fetch units and their module hooks.
+
+A *unit* is a module whose forward fetches parameters: each layer of a stack (a repeated block,
+`shard.repeated_blocks`) with every parameter inside it, and each other module with parameters of
+its own. The root is always unit 0. Hooks on a unit tell the coordinator (zrs-core, executed by
+`runtime/fetch.py`) that its forward starts and ends, and register a hook on its outputs that
+tells it when its backward starts. Units are whole layers, as FSDP2's `fully_shard` units are,
+not every module as in DeepSpeed: the hooks' host time grows with the units, and a layer's
+parameters are gathered by one collective.
+
+`zrs.compile` has one unit, the root, without hooks of its own: its compiled graphs gather what
+they use, and a parameter that code outside the graphs reads is fetched on demand under the root.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from zrs.runtime.fetch import Fetcher, Unit
+from zrs.runtime.handles import ParamHandle, handle
+from zrs.runtime.state import ZeroState
+from zrs.sharding import repeated_blocks
+
+ROOT = 0
+
+
+def find_units(model: nn.Module, layered: bool) -> list[tuple[nn.Module, Unit]]:
+    """The root first, then the units in module order; each with the parameters it fetches.
+    `layered=False`: the root alone, with no parameters of its own (zrs.compile)."""
+    if not layered:
+        return [(model, Unit("", ()))]
+    blocks = repeated_blocks(model)
+    owner: dict[int, str] = {}  # id(module) -> the name of its unit
+    units: dict[str, tuple[nn.Module, list[ParamHandle]]] = {"": (model, [])}
+    for name, module in model.named_modules():
+        # the root's own parameters are the root unit's; it does not own its descendants
+        unit = (
+            ""
+            if not name
+            else next((owner[id(m)] for m in _ancestors(model, name)[1:] if id(m) in owner), None)
+        )
+        if unit is None and (id(module) in blocks or getattr(module, "_zrs_params", None)):
+            unit = name
+            units.setdefault(name, (module, []))
+        if unit is not None and name:
+            owner[id(module)] = unit
+        hs = units[unit if unit is not None else ""][1]
+        for ds_id, _, _ in getattr(module, "_zrs_params", {}).values():
+            h = handle(ds_id)
+            if all(h is not x for x in hs):
+                hs.append(h)
+    return [(m, Unit(name, tuple(hs))) for name, (m, hs) in units.items()]
+
+
+def _ancestors(model: nn.Module, name: str) -> list[nn.Module]:
+    """The modules from the root down to the parent of `name`."""
+    found = [model]
+    parts = name.split(".") if name else []
+    for part in parts[:-1]:
+        found.append(found[-1].get_submodule(part))
+    return found
+
+
+def install(model: nn.Module, state: ZeroState, layered: bool, limits: dict[str, Any]) -> None:
+    """Give `state` its eager path and hook its units (all but the root, which the model's
+    forward wrapper drives: `wrap.py`)."""
+    units = find_units(model, layered)
+    fetcher = Fetcher(state, [u for _, u in units], **limits)
+    state.fetcher = fetcher
+    for module in model.modules():
+        if getattr(module, "_zrs_params", None):
+            module._zrs_fetcher = fetcher  # the gather property reads it
+    for index, (module, _) in enumerate(units):
+        if index == ROOT:
+            continue
+        module.register_forward_pre_hook(_pre(fetcher, index))
+        module.register_forward_hook(_post(fetcher, index))
+
+
+def _pre(fetcher: Fetcher, unit: int):
+    def hook(module: nn.Module, args: Any) -> None:
+        if not torch.compiler.is_compiling():
+            fetcher.enter(unit)
+
+    return hook
+
+
+def _post(fetcher: Fetcher, unit: int):
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.compiler.is_compiling():
+            fetcher.exit(unit, output)
+
+    return hook

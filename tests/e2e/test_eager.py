@@ -1,0 +1,167 @@
+"""zrs.shard, the eager path, in one process: the trace and its modes, what stays gathered when,
+prefetching by the trace, activation checkpointing, gradient accumulation and persistent
+parameters. Across ranks: test_correctness.py and test_hf_models.py (backend "shard") and
+test_faults.py."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import zrs
+from zoo import LR, MOMENTUM, spec_of
+
+
+class Reorderable(nn.Module):
+    """Three layers whose order a flag changes, the head reading the first layer's weight too
+    (a parameter fetched by another module than its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(3))
+        self.head = nn.Linear(6, 2)
+        self.swap = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        order = [1, 0, 2] if self.swap else [0, 1, 2]
+        for i in order:
+            x = torch.tanh(self.layers[i](x))
+        return self.head(x) + x @ self.layers[0].weight[:2].T
+
+
+def _pair(build=Reorderable, **kwargs):
+    torch.manual_seed(0)
+    plain = build()
+    model = zrs.shard(copy.deepcopy(plain), **kwargs)
+    opts = [torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM) for m in (plain, model)]
+    return plain, model, opts
+
+
+def _step(model, opt, x, swap=False) -> torch.Tensor:
+    model.swap = swap
+    opt.zero_grad(set_to_none=True)
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _assert_same(plain: nn.Module, model: nn.Module) -> None:
+    full = zrs.full_state_dict(model)
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(full[name], p.detach(), rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_a_changed_order_warns_once_and_records_again(caplog):
+    plain, model, (opt_p, opt_m) = _pair()
+    coordinator = model._zrs_state.fetcher.coordinator
+    assert coordinator.mode == "record"
+    swaps = [False, False, True, False, False]
+    modes = []
+    with caplog.at_level(logging.WARNING, logger="zrs"):
+        for step, swap in enumerate(swaps):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+            torch.testing.assert_close(_step(model, opt_m, x, swap), _step(plain, opt_p, x, swap))
+            modes.append(coordinator.mode)
+    # the swap invalidates the trace; the next step records it again, the one after follows it
+    assert modes == ["complete", "complete", "record", "complete", "complete"]
+    warnings = [r.getMessage() for r in caplog.records if "recorded trace" in r.getMessage()]
+    assert len(warnings) == 1, warnings  # the swapped step (the next one records)
+    assert "layers.1" in warnings[0] and "layers.0" in warnings[0]
+    _assert_same(plain, model)
+
+
+def test_nothing_stays_gathered_but_what_the_backward_starts_with():
+    _, model, (_, opt) = _pair()
+    fetcher = model._zrs_state.fetcher
+    x = torch.randn(4, 6)
+    _step(model, opt, x)  # records the trace
+
+    def gathered() -> set[str]:
+        return {fetcher.handles[s].name for s, r in enumerate(fetcher.ready) if r}
+
+    def storage() -> int:
+        return sum(raw.untyped_storage().nbytes() for raw in fetcher.raws)
+
+    loss = model(x).square().mean()
+    # What the backward starts with stays gathered: the head, and the last layer (within
+    # max_reuse_distance, the largest unit's numel, of its backward); also layers.0.weight, which
+    # the root read after the layers: the trace counts the read at the root's activation, which
+    # comes before layers.0's. The other layers were released, though autograd holds on to
+    # their leaves: their storage is gone until their backward gathers them again.
+    kept = {"head.weight", "head.bias", "layers.2.weight", "layers.2.bias", "layers.0.weight"}
+    assert gathered() == kept
+    assert storage() == sum(fetcher.raws[s].numel() * 4 for s, r in enumerate(fetcher.ready) if r)
+    loss.backward()
+    assert gathered() == set() and storage() == 0
+    with torch.no_grad():
+        model(x)
+    assert gathered() == set() and storage() == 0
+
+
+def test_the_second_step_prefetches_by_the_trace(monkeypatch):
+    _, model, (_, opt) = _pair()
+    fetcher = model._zrs_state.fetcher
+    decisions: list[tuple] = []
+    run = fetcher._run
+    monkeypatch.setattr(fetcher, "_run", lambda fetch: (decisions.append(fetch), run(fetch))[1])
+    x = torch.randn(4, 6)
+    _step(model, opt, x)
+    first = list(decisions)
+    decisions.clear()
+    _step(model, opt, x)
+    assert not any(prefetch for _, _, prefetch, _ in first), "the recording step prefetches"
+    issued = [fetcher.handles[s].name for issue, _, _, _ in decisions for s in issue]
+    prefetched = {fetcher.handles[s].name for _, _, pre, _ in decisions for g in pre for s in g}
+    # Following the trace, every unit's parameters were prefetched: the root's forward prefetches
+    # the first layer's. Only the root's own read of layers.0.weight (after the layers ran, in
+    # the trace at the root's position) is gathered on the spot.
+    assert issued == ["layers.0.weight"], decisions
+    assert prefetched == {n for n, _ in model.named_parameters()}, decisions
+
+
+def test_activation_checkpointing_and_accumulation_match_the_plain_model():
+    spec = spec_of("hf_gpt2")
+    torch.manual_seed(0)
+    plain = spec.build()
+    model = zrs.shard(copy.deepcopy(plain))
+    for m in (plain, model):
+        m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    opts = [torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM) for m in (plain, model)]
+    for step in range(3):
+        for m, opt in zip((plain, model), opts, strict=True):
+            opt.zero_grad(set_to_none=True)
+            for micro in range(2):  # two micro-batches per step
+                (spec.loss(m, spec.batch(micro, step)) / 2).backward()
+            opt.step()
+    _assert_same(plain, model)
+    assert not any(model._zrs_state.fetcher.ready)
+
+
+def test_persistent_parameters_stay_gathered_until_the_optimizer_step():
+    plain, model, (opt_p, opt_m) = _pair(persist_numel=7)  # the biases (6) and the head's (2)
+    fetcher = model._zrs_state.fetcher
+    x = torch.randn(4, 6)
+    model(x).square().mean().backward()
+    kept = {fetcher.handles[s].name for s, r in enumerate(fetcher.ready) if r}
+    assert kept == {"layers.0.bias", "layers.1.bias", "layers.2.bias", "head.bias"}
+    opt_m.step()  # the shards change: the gathered copies are dropped
+    assert not any(fetcher.ready)
+    opt_m.zero_grad()
+    plain(x).square().mean().backward()
+    opt_p.step()
+    opt_p.zero_grad()
+    for step in range(2):
+        _step(plain, opt_p, x + step)
+        _step(model, opt_m, x + step)
+    _assert_same(plain, model)
+
+
+@pytest.mark.parametrize("name", ["prefetch_numel", "max_live_numel", "max_reuse_distance"])
+def test_limits_must_be_counts(name):
+    with pytest.raises(zrs.ZrsError, match=name):
+        zrs.shard(nn.Linear(2, 2), **{name: -1})

@@ -45,7 +45,7 @@ def _world() -> int:
 
 
 WORLD = _world()
-BACKENDS = ("eager", "inductor")
+BACKENDS = ("eager", "inductor", "shard")  # "shard": zrs.shard, the eager path
 FP32_RTOL, FP32_ATOL = 1e-4, 1e-5
 BF16_ATOL, BF16_UPDATE_RTOL = 2e-3, 0.05
 BF16_MODELS = ("mlp", "gpt_tied")

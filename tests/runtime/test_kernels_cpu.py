@@ -186,8 +186,10 @@ def test_background_build_is_joined_and_its_failure_warned_by_load(monkeypatch):
     assert started.wait(10)
     kernels.build_in_background()  # already building: no second thread
     assert kernels.status()[0] == "unloaded"
+    assert not kernels.load()  # still building: the torch ops serve, nothing waits
     release.set()
-    # the builder thread warned nothing; load() waits for it and warns here, once
+    kernels.LOADER.builder.join(10)
+    # the builder thread warned nothing; load() warns here, once
     with pytest.warns(kernels.KernelBuildWarning, match="nvcc not found"):
         assert not kernels.load()
     assert not kernels.load()

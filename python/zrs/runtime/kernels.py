@@ -129,6 +129,11 @@ class Loader:
     def load(self) -> bool:
         if self.status == "loaded":
             return True
+        builder = self.builder
+        if builder is not None and builder.is_alive():
+            # Still building: the torch ops serve meanwhile, so that no step waits for nvcc
+            # (zrs.shard's first step has no compile for the build to hide behind).
+            return False
         with self.lock:
             if self.builder is not None:
                 self.builder.join()
@@ -155,8 +160,8 @@ LOADER = Loader()
 
 def build_in_background() -> None:
     """Start building (or loading from the cache) on a thread, so that nvcc's ~20 s overlap
-    torch.compile's tracing of the model instead of adding to the first step; `load()` waits
-    for it. `zrs.compile` calls this for CUDA models."""
+    the first steps instead of adding to them: until it is done the copy ops run as torch ops.
+    `zrs.compile` and `zrs.shard` call this for CUDA models."""
     LOADER.build_in_background()
 
 

@@ -130,7 +130,12 @@ def test_activation_checkpointing_and_accumulation_match_the_plain_model():
     plain = spec.build()
     model = zrs.shard(copy.deepcopy(plain))
     for m in (plain, model):
-        m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        # transformers renamed gradient_checkpointing_enable (which now warns) in 5.x
+        enable = getattr(m, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opts = [torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM) for m in (plain, model)]
     for step in range(3):
         for m, opt in zip((plain, model), opts, strict=True):

@@ -85,6 +85,19 @@ class Net(nn.Module):
         return self.head(x)
 
 
+class Swapped(nn.Module):
+    """Two layers of one shape, run in the opposite order with `swap`."""
+
+    def __init__(self, swap: bool) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.swap = swap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, then = (self.b, self.a) if self.swap else (self.a, self.b)
+        return then(first(x))
+
+
 def build(
     timeout: float | None, backend: str = "eager", **kwargs: Any
 ) -> tuple[Net, torch.optim.Optimizer]:
@@ -293,12 +306,9 @@ def disagreements(rank: int, world: int, timeout: float) -> dict[str, dict[str, 
 
     def module_order_on_one_rank() -> None:
         """zrs.shard: the same modules, run in another order on rank 1 from the first step."""
-        model = nn.Module()
-        model.a, model.b = nn.Linear(4, 4), nn.Linear(4, 4)
-        zrs.shard(model, timeout=timeout)
-        first, then = (model.a, model.b) if rank == 0 else (model.b, model.a)
+        model = zrs.shard(Swapped(swap=rank == 1), timeout=timeout)
         mark()
-        then(first(torch.ones(2, 4))).sum().backward()
+        model(torch.ones(2, 4)).sum().backward()
 
     def branch_on_one_rank() -> None:
         model, opt = build(timeout)

@@ -209,7 +209,9 @@ class Peers:
         if notes:
             return "; ".join(notes)
         diverged = f"{self.prefix}/diverged"
-        at = self.store.multi_get([f"{self.prefix}/at/rank{r}" for r in range(self.world)])
+        # Only compiles arrive (zrs.shard never does): a key no rank set would block a get.
+        at_keys = [f"{self.prefix}/at/rank{r}" for r in range(self.world)]
+        at = [self.store.get(k) for k in at_keys if self.store.check([k])]
         ahead = any(int(n) > self.arrived for n in at if n)
         if not ahead and not self.store.check([diverged]):
             return None

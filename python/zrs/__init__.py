@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zrs import checkpoint, options, units, wrap
+from zrs import options, units, wrap
 from zrs._core import BudgetInfeasibleError, ZrsError
 from zrs.compiler.backend import BACKENDS, make_backend
 from zrs.compiler.plan import SCHEDULERS, trace_dir_from_env
@@ -254,3 +254,13 @@ def _check_common(
     options.check_dtype("param_dtype", param_dtype)
     options.check_dtype("reduce_dtype", reduce_dtype)
     options.check_param_dtypes(model)
+
+
+def __getattr__(name: str) -> object:
+    # zrs.checkpoint imports torch.distributed.checkpoint (0.5 s): only when asked for, so that
+    # `import zrs` stays short for a job that never saves (the time to the first step).
+    if name == "checkpoint":
+        import zrs.checkpoint
+
+        return zrs.checkpoint
+    raise AttributeError(f"module 'zrs' has no attribute {name!r}")

@@ -4,6 +4,8 @@
 //! whether it closes its bucket, so that Python reduce-scatters a bucket the moment its last
 //! gradient arrives and allocates it at exactly the size its members fill.
 
+use crate::plan::grad_buckets::bucket_runs;
+
 /// The bucket a gradient goes to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Bucket {
@@ -14,30 +16,17 @@ pub(super) struct Bucket {
 }
 
 /// Each gradient's bucket, given the gradients' per-rank shard elements in the order the
-/// backward completes them: consecutive gradients share a bucket while their sum stays within
-/// `capacity`; a larger gradient gets a bucket of its own.
+/// backward completes them: the compiled path's runs, each member told whether it closes its run.
 pub(super) fn plan(shard_numels: &[u64], capacity: u64) -> Vec<Bucket> {
-    let mut buckets = Vec::with_capacity(shard_numels.len());
-    let mut start = 0;
-    let mut total = 0u64;
-    for (i, &n) in shard_numels.iter().enumerate() {
-        if i > start && total.saturating_add(n) > capacity {
-            close(&mut buckets, i - start, total);
-            start = i;
-            total = 0;
-        }
-        total = total.saturating_add(n);
-    }
-    close(&mut buckets, shard_numels.len() - start, total);
-    buckets
-}
-
-/// Appends a bucket of `members` gradients and `numel` elements.
-fn close(buckets: &mut Vec<Bucket>, members: usize, numel: u64) {
-    buckets.extend((0..members).map(|k| Bucket {
-        numel,
-        last: k + 1 == members,
-    }));
+    bucket_runs(shard_numels, capacity)
+        .into_iter()
+        .flat_map(|(members, numel)| {
+            (0..members).map(move |k| Bucket {
+                numel,
+                last: k + 1 == members,
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]

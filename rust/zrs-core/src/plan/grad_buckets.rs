@@ -11,19 +11,30 @@
 /// while their sum stays within `capacity` (next fit: the order is the graph's, and a bucket
 /// reduces as soon as it is full). A gradient larger than `capacity` gets a bucket of its own.
 pub fn grad_buckets(numels: &[u64], capacity: u64) -> Vec<u64> {
-    let mut sizes = Vec::with_capacity(numels.len());
+    bucket_runs(numels, capacity)
+        .into_iter()
+        .flat_map(|(members, total)| std::iter::repeat_n(total, members))
+        .collect()
+}
+
+/// The buckets of [`grad_buckets`] as runs: (gradients in the bucket, its per-rank elements), in
+/// order; the eager path also needs to know which gradient closes each bucket.
+pub fn bucket_runs(numels: &[u64], capacity: u64) -> Vec<(usize, u64)> {
+    let mut runs = Vec::new();
     let mut start = 0;
     let mut total = 0u64;
     for (i, &n) in numels.iter().enumerate() {
         if i > start && total.saturating_add(n) > capacity {
-            sizes.extend(std::iter::repeat_n(total, i - start));
+            runs.push((i - start, total));
             start = i;
             total = 0;
         }
         total = total.saturating_add(n);
     }
-    sizes.extend(std::iter::repeat_n(total, numels.len() - start));
-    sizes
+    if start < numels.len() {
+        runs.push((numels.len() - start, total));
+    }
+    runs
 }
 
 #[cfg(test)]

@@ -65,7 +65,8 @@ Metrics (times are the maximum over ranks, step by step):
   peak_GiB                    torch.cuda.max_memory_allocated over the timed steps (max over ranks);
                               peak_GiB_all over the whole system's run (build and warm-up included)
   warmup_s                    wall time from the start of the model build to the end of the first
-                              trained step (compilation included); warmup_total_s to the end of
+                              trained step (compilation included); build_s to the end of the
+                              build (the library's import included); warmup_total_s to the end of
                               all warm-up steps; compile_phases_s: torch's own compile timers
                               (dynamo_timed, summed over graphs) that took at least 0.5 s
 """
@@ -74,6 +75,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import datetime
 import faulthandler
 import gc
@@ -82,6 +84,7 @@ import json
 import os
 import pickle
 import platform
+import pstats
 import random
 import shlex
 import signal
@@ -262,6 +265,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="DIR",
         help="after the timed steps, run 3 more under cProfile: the raw profile per rank in DIR "
         "(read it with pstats) and the functions with the most host time per step in the record",
+    )
+    p.add_argument(
+        "--first-profile",
+        type=Path,
+        metavar="DIR",
+        help="run the build and the first step under cProfile: the raw profile per rank in DIR "
+        "and the functions with the most host time in the record (first_profile)",
     )
     p.add_argument(
         "--memory",
@@ -705,8 +715,12 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
+    first_prof = cProfile.Profile() if args.first_profile is not None else None
     t0 = time.perf_counter()
+    if first_prof is not None:
+        first_prof.enable()
     built = BUILDERS[system](ctx)
+    build_s = time.perf_counter() - t0
     loss = None
     first_step_s = 0.0
     for i in range(warmup):
@@ -714,6 +728,8 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
         if i == 0:
             sync(device)
             first_step_s = time.perf_counter() - t0
+            if first_prof is not None:
+                first_prof.disable()
     sync(device)
     warmup_total_s = time.perf_counter() - t0
     peak_all = max_memory(device)
@@ -748,7 +764,7 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
     # Slowest rank per step, peak memory, warm-up and graphs compiled while timed: max over
     # ranks; loss: mean over ranks.
     maxes = torch.tensor(
-        [*step_s, timed_graphs, wall_s, peak, peak_all, first_step_s, warmup_total_s],
+        [*step_s, timed_graphs, wall_s, peak, peak_all, build_s, first_step_s, warmup_total_s],
         dtype=torch.float64,
         device=device,
     )
@@ -758,9 +774,9 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
         dist.all_reduce(loss_t)
         loss_t /= built.world
     vals = maxes.tolist()
-    step_s, (timed_graphs, wall_s, peak, peak_all, first_step_s, warmup_total_s) = (
+    step_s, (timed_graphs, wall_s, peak, peak_all, build_s, first_step_s, warmup_total_s) = (
         vals[: args.steps],
-        vals[-6:],
+        vals[-7:],
     )
     med = statistics.median(step_s)
     tokens = spec.micro_batch * spec.seq_len
@@ -776,6 +792,7 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
         "mfu": round(spec.flops_per_token() * tokens / med / (args.peak_tflops * 1e12), 4),
         "peak_GiB": round(peak, 2),
         "peak_GiB_all": round(max(peak_all, peak), 2),
+        "build_s": round(build_s, 2),
         "warmup_s": round(first_step_s, 2),
         "warmup_total_s": round(warmup_total_s, 2),
         "compile_phases_s": compile_phases(),
@@ -818,6 +835,9 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
     record.update(built.versions or {})
     if args.trace is not None:
         record.update(profile_steps(system, ctx, built, data, warmup + args.steps))
+    if first_prof is not None:
+        path = artifact_path(args, args.first_profile, system, "prof")
+        record["first_profile"] = profile_summary(first_prof, path, 1)
     if args.host_profile is not None:
         record["host_profile"] = host_profile(system, ctx, built, data, warmup + args.steps)
     if args.memory is not None and device.type == "cuda":
@@ -913,9 +933,6 @@ def host_profile(system: str, ctx: Ctx, built: Built, data: Data, start: int) ->
     """TRACE_STEPS more steps under cProfile (after the timed ones): the host's wall time per step,
     and the functions with the most own time and the most time with their callees, ms per step.
     A device sync ends each step, so a wait for the GPU shows as the sync's own time."""
-    import cProfile
-    import pstats
-
     sync(ctx.device)
     prof = cProfile.Profile()
     t0 = time.perf_counter()
@@ -926,6 +943,15 @@ def host_profile(system: str, ctx: Ctx, built: Built, data: Data, start: int) ->
     prof.disable()
     wall = time.perf_counter() - t0
     path = artifact_path(ctx.args, ctx.args.host_profile, system, "prof")
+    return {
+        "step_ms": round(wall * 1e3 / TRACE_STEPS, 2),
+        **profile_summary(prof, path, TRACE_STEPS),
+    }
+
+
+def profile_summary(prof: cProfile.Profile, path: Path, steps: int) -> dict:
+    """Dump ``prof`` to ``path``; the functions with the most own time and the most time with
+    their callees, ms per step over ``steps`` steps."""
     prof.dump_stats(path)
     stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, ncalls, tottime, cumtime, _)
 
@@ -935,13 +961,10 @@ def host_profile(system: str, ctx: Ctx, built: Built, data: Data, start: int) ->
 
     def top(index: int) -> list:
         rows = sorted(stats.items(), key=lambda kv: kv[1][index], reverse=True)[:HOST_TOP]
-        return [
-            [label(k), v[1] // TRACE_STEPS, round(v[index] * 1e3 / TRACE_STEPS, 3)] for k, v in rows
-        ]
+        return [[label(k), v[1] // steps, round(v[index] * 1e3 / steps, 3)] for k, v in rows]
 
     return {
         "profile": str(path),
-        "step_ms": round(wall * 1e3 / TRACE_STEPS, 2),
         "self_ms": top(2),  # [function, calls per step, own ms per step]
         "cumulative_ms": top(3),
     }

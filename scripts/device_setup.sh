@@ -27,7 +27,6 @@ done
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
   "$wheel" ${others[@]+"${others[@]}"}
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-export ZRS_CUDA_SRC="$PWD/cuda"  # the kernel source, in case the wheel does not ship it
 
 echo "device_setup: $(basename "$wheel"); $(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs)"
 # (-W: runpy notes that the package already imported zrs.runtime.kernels; harmless here)

@@ -12,7 +12,7 @@ from torch import nn
 from zrs._core import ZrsError
 
 # The dtypes that the gathers, the gradient packing (CUDA kernels included) and the collectives
-# handle: runtime.ops._SCALAR_TYPES and the DtypeCodes of cuda/zrs_kernels.cu.
+# handle: runtime.ops._SCALAR_TYPES and the DtypeCodes of zrs/cuda/zrs_kernels.cu.
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 

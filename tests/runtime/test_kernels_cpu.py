@@ -153,6 +153,20 @@ def test_kernel_source_is_found():
     assert (kernels.source_dir() / kernels.SOURCE).is_file()
 
 
+def test_the_build_folder_is_named_by_the_source_and_sits_under_the_extensions_root(
+    monkeypatch, tmp_path
+):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    shipped = kernels.build_dir()
+    assert shipped.parent == tmp_path / "ext" and shipped.name.startswith(kernels.EXT_NAME)
+    edited = tmp_path / "src"
+    edited.mkdir()
+    source = (kernels.source_dir() / kernels.SOURCE).read_text()
+    (edited / kernels.SOURCE).write_text(source + "\n// edited\n")
+    monkeypatch.setenv("ZRS_CUDA_SRC", str(edited))
+    assert kernels.build_dir() != shipped  # a changed kernel is never loaded from the old build
+
+
 def test_failed_build_warns_once_then_falls_back(monkeypatch):
     def broken_build(verbose=False):
         raise RuntimeError("nvcc not found")

@@ -5,7 +5,7 @@ The schemas live in `zrs.runtime.ops` (`COPY_SCHEMAS`). This module gives every 
 
 - a torch implementation (plain tensor ops), registered on CompositeExplicitAutograd, so it serves
   CPU tensors, and CUDA tensors whenever the CUDA kernels are not loaded;
-- the CUDA kernels in `cuda/zrs_kernels.cu`, which register themselves on the ops' CUDA dispatch
+- the CUDA kernels in `zrs/cuda/zrs_kernels.cu`, which register themselves on the ops' CUDA dispatch
   key when the extension loads. It is built with `torch.utils.cpp_extension` (JIT, cached in the
   torch extensions directory) the first time a CUDA tensor reaches one of the ops, or ahead of time
   with `python -m zrs.runtime.kernels --build`.
@@ -21,6 +21,7 @@ in float32 (float64 if either side is float64), apply the scale there, and cast 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 import threading
@@ -46,42 +47,57 @@ class KernelBuildWarning(UserWarning):
 
 
 def source_dir() -> Path:
-    """The folder that holds `zrs_kernels.cu`.
+    """The folder that holds `zrs_kernels.cu`: `$ZRS_CUDA_SRC` if set, else the package's own
+    `cuda/` (the wheel ships it)."""
+    override = os.environ.get(_SRC_ENV)
+    folder = Path(override) if override else Path(__file__).resolve().parents[1] / "cuda"
+    if not (folder / SOURCE).is_file():
+        raise FileNotFoundError(
+            f"{SOURCE} not found in {folder}" + (f" (${_SRC_ENV})" if override else "")
+        )
+    return folder
 
-    Looked up in `$ZRS_CUDA_SRC`, then `cuda/` beside the installed package (a wheel that ships
-    it), then the source checkout's `cuda/` (editable installs).
-    """
-    package = Path(__file__).resolve().parents[1]
-    candidates = []
-    if os.environ.get(_SRC_ENV):
-        candidates.append(Path(os.environ[_SRC_ENV]))
-    candidates += [package / "cuda", package.parent / "cuda", package.parents[1] / "cuda"]
-    for c in candidates:
-        if (c / SOURCE).is_file():
-            return c
-    raise FileNotFoundError(
-        f"{SOURCE} not found in {', '.join(str(c) for c in candidates)}; "
-        f"set {_SRC_ENV} to the repository's cuda/ folder"
+
+CUDA_FLAGS = ("-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo")
+
+
+def build_dir() -> Path:
+    """The folder this source, these flags, this torch and these GPUs build the library in. Its
+    name is their hash, so a library found there is current without asking ninja, and loading
+    it needs neither torch.utils.cpp_extension nor setuptools (~0.3 s of imports that would
+    slow the first step). `TORCH_EXTENSIONS_DIR` moves the root, as for any torch extension."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torch_extensions"
     )
+    archs = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+    facts = (CUDA_FLAGS, torch.__version__, torch.version.cuda, archs)
+    digest = hashlib.sha256((source_dir() / SOURCE).read_bytes())
+    digest.update(repr((facts, os.environ.get("TORCH_CUDA_ARCH_LIST"))).encode())
+    return Path(root) / f"{EXT_NAME}_{digest.hexdigest()[:16]}"
 
 
 def build(verbose: bool = False) -> str:
-    """Build (or find in the cache) and load the extension; return the library's path.
+    """Load the extension from its build folder, building it there first if needed; return the
+    library's path. Raises on any failure. Loading registers the kernels on the zrs ops' CUDA
+    key."""
+    folder = build_dir()
+    path = folder / f"{EXT_NAME}.so"
+    # cpp_extension holds `lock` in the folder while it builds: then wait for it there.
+    if path.is_file() and not (folder / "lock").exists():
+        torch.ops.load_library(str(path))
+    else:
+        from torch.utils import cpp_extension
 
-    Raises on any failure. Loading registers the kernels on the zrs ops' CUDA key.
-    """
-    from torch.utils import cpp_extension
-
-    src = source_dir() / SOURCE
-    flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
-    path = cpp_extension.load(
-        name=EXT_NAME,
-        sources=[str(src)],
-        extra_cflags=["-O3"],
-        extra_cuda_cflags=flags,
-        is_python_module=False,
-        verbose=verbose,
-    )
+        folder.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name=EXT_NAME,
+            sources=[str(source_dir() / SOURCE)],
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=list(CUDA_FLAGS),
+            build_directory=str(folder),
+            is_python_module=False,
+            verbose=verbose,
+        )
     missing = [op for op in OPS if not _has_cuda_kernel(op)]
     if missing:
         raise RuntimeError(f"{path} loaded but registered no CUDA kernel for {missing}")

@@ -226,10 +226,13 @@ class Coordinator:
         """A unit's backward starts: what its last forward activation fetched, except
         parameters whose gradient is complete, and with a complete trace the prefetch of the
         units before it."""
-    def grad_ready(self, slot: int) -> tuple[bool, int, bool]:
-        """A parameter's gradient for this backward is complete: ``(release, bucket_numel,
-        flush)``: free the gathered copy; the per-rank elements of its planned gradient bucket
-        (0: none planned); it is the bucket's last, reduce-scatter it now."""
+    def grad_ready(self, slot: int) -> tuple[list[int], int]:
+        """A parameter's gradient for this backward is complete: ``(release, bucket_numel)``:
+        the slots to free (its own, and frozen ones whose every user finished its backward);
+        the per-rank elements of its planned gradient bucket (0: none planned)."""
+    def post_backward(self, unit: int) -> list[int]:
+        """An activation of a unit finished its backward (its inputs' gradient is complete):
+        the frozen slots no longer needed."""
     def end_backward(self) -> tuple[list[int], bool]:
         """The backward ended: the slots to release and ``recorded`` (the recording became the
         trace: compare ``trace_units``/``trace_params`` across ranks)."""

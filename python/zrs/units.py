@@ -4,7 +4,8 @@ A *unit* is a module whose forward fetches parameters: each layer of a stack (a 
 `shard.repeated_blocks`) with every parameter inside it, and each other module with parameters of
 its own. The root is always unit 0. Hooks on a unit tell the coordinator (zrs-core, executed by
 `runtime/fetch.py`) that its forward starts and ends, and register a hook on its outputs that
-tells it when its backward starts. Units are whole layers, as FSDP2's `fully_shard` units are,
+tells it when its backward starts (and for a unit with frozen parameters one on its inputs that
+tells it when its backward is over). Units are whole layers, as FSDP2's `fully_shard` units are,
 not every module as in DeepSpeed: the hooks' host time grows with the units, and a layer's
 parameters are gathered by one collective.
 
@@ -73,17 +74,20 @@ def install(model: nn.Module, state: ZeroState, layered: bool, limits: dict[str,
     for module in model.modules():
         if getattr(module, "_zrs_params", None):
             module._zrs_fetcher = fetcher  # the gather property reads it
-    for index, (module, _) in enumerate(units):
+    for index, (module, unit) in enumerate(units):
         if index == ROOT:
             continue
-        module.register_forward_pre_hook(_pre(fetcher, index))
+        frozen = any(not h.param.requires_grad for h in unit.handles)
+        module.register_forward_pre_hook(_pre(fetcher, index, frozen), with_kwargs=True)
         module.register_forward_hook(_post(fetcher, index))
 
 
-def _pre(fetcher: Fetcher, unit: int):
-    def hook(module: nn.Module, args: Any) -> None:
+def _pre(fetcher: Fetcher, unit: int, frozen: bool):
+    def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if not torch.compiler.is_compiling():
             fetcher.enter(unit)
+            if frozen:
+                fetcher.after_backward(unit, (args, kwargs))
 
     return hook
 

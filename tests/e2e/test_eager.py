@@ -166,6 +166,57 @@ def test_persistent_parameters_stay_gathered_until_the_optimizer_step():
     _assert_same(plain, model)
 
 
+class LoraLayer(nn.Module):
+    def __init__(self, width: int, rank: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(width, width).requires_grad_(False)
+        self.down = nn.Linear(width, rank, bias=False)
+        self.up = nn.Linear(rank, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.base(x) + self.up(self.down(x)))
+
+
+class Lora(nn.Module):
+    """Layers of a frozen base weight and a trainable low-rank adapter (LoRA); `probe` runs when
+    the gradient of the first layer's output is complete."""
+
+    def __init__(self, width: int = 8, rank: int = 2, layers: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(LoraLayer(width, rank) for _ in range(layers))
+        self.probe = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i == 0 and self.probe is not None and x.requires_grad:
+                x.register_hook(lambda _: self.probe())
+        return x
+
+
+def test_frozen_weights_go_when_their_layer_finished_its_backward():
+    plain, model, (opt_p, opt_m) = _pair(Lora)
+    fetcher = model._zrs_state.fetcher
+    seen: list[set[str]] = []
+
+    def gathered_bases() -> set[str]:
+        ready = {fetcher.handles[s].name for s, r in enumerate(fetcher.ready) if r}
+        return {n for n in ready if ".base." in n}
+
+    model.probe = lambda: seen.append(gathered_bases())
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        torch.testing.assert_close(_step(model, opt_m, x), _step(plain, opt_p, x))
+        assert not any(fetcher.ready)
+    _assert_same(plain, model)
+    # When the first layer's backward starts, layers 2 and 3 have finished theirs (the
+    # gradient of their inputs is complete): their base weights are released. Layer 1's ends
+    # at this very moment; layer 0's inputs need no gradient, so its base stays to the end.
+    for bases in seen:
+        assert "layers.2.base.weight" not in bases and "layers.3.base.weight" not in bases, seen
+        assert {"layers.0.base.weight", "layers.0.base.bias"} <= bases, seen
+
+
 @pytest.mark.parametrize("name", ["prefetch_numel", "max_live_numel", "max_reuse_distance"])
 def test_limits_must_be_counts(name):
     with pytest.raises(zrs.ZrsError, match=name):

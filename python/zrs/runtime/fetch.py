@@ -152,12 +152,11 @@ class Fetcher:
         """Autograd summed the leaf's gradient over every use: reduce it, release the leaf."""
         leaf = self.leaves[slot]
         grad, leaf.grad = leaf.grad, None
-        release, bucket_numel, _ = self.coordinator.grad_ready(slot)
+        release, bucket_numel = self.coordinator.grad_ready(slot)
         self._queue_end_of_backward()
         if grad is not None:
             grads.reduce_grads(-1, [grad], [self.handles[slot].ds_id], [bucket_numel])
-        if release:
-            self._free([slot])
+        self._free(release)
 
     def reset(self) -> None:
         """Drop everything gathered, persistent parameters included (the shards changed, or a
@@ -199,6 +198,27 @@ class Fetcher:
     def pre_backward(self, unit: int) -> None:
         self._queue_end_of_backward()
         self._run(self.coordinator.pre_backward(unit))
+
+    def after_backward(self, unit: int, inputs: object) -> None:
+        """A unit with frozen parameters starts its forward: once the gradient of its `inputs`
+        is complete its backward is over, and the coordinator may release its frozen
+        parameters then rather than at the end of the backward (LoRA's base weights). Inputs
+        that need no gradient never say so: what the unit fetched waits for the end."""
+        if not (self.open and self.training and torch.is_grad_enabled()):
+            return
+        if torch._C._current_graph_task_id() != -1:  # a recompute: its backward follows at once
+            return
+        tensors = [
+            t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if tensors:
+            me = weakref.ref(self)
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda _: _alive(me).post_backward(unit), mode="all"
+            )
+
+    def post_backward(self, unit: int) -> None:
+        self._free(self.coordinator.post_backward(unit))
 
     def _queue_end_of_backward(self) -> None:
         task = torch._C._current_graph_task_id()

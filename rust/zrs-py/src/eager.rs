@@ -84,9 +84,13 @@ impl PyCoordinator {
         ToPyResult(self.0.pre_backward(unit).map(fetch)).into_py()
     }
 
-    fn grad_ready(&mut self, slot: Slot) -> PyResult<(bool, u64, bool)> {
+    fn grad_ready(&mut self, slot: Slot) -> PyResult<(Vec<Slot>, u64)> {
         let ready = self.0.grad_ready(slot);
-        ToPyResult(ready.map(|g| (g.release, g.bucket_numel, g.flush))).into_py()
+        ToPyResult(ready.map(|g| (g.release, g.bucket_numel))).into_py()
+    }
+
+    fn post_backward(&mut self, unit: UnitId) -> PyResult<Vec<Slot>> {
+        ToPyResult(self.0.post_backward(unit)).into_py()
     }
 
     fn end_backward(&mut self) -> (Vec<Slot>, bool) {

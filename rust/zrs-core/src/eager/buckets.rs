@@ -1,31 +1,17 @@
 //! Gradient buckets of the eager backward, planned from the order a recorded backward completed
 //! its gradients: the same next fit as the compiled path's
-//! [`grad_buckets`](crate::plan::grad_buckets::grad_buckets), which also tells each gradient
-//! whether it closes its bucket, so that Python reduce-scatters a bucket the moment its last
-//! gradient arrives and allocates it at exactly the size its members fill.
+//! [`grad_buckets`](crate::plan::grad_buckets::grad_buckets). Each gradient learns its bucket's
+//! size, so that Python allocates a bucket at exactly the size its members fill and
+//! reduce-scatters it the moment they have.
 
 use crate::plan::grad_buckets::bucket_runs;
 
-/// The bucket a gradient goes to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Bucket {
-    /// Per-rank elements of the whole bucket.
-    pub(super) numel: u64,
-    /// This gradient is the bucket's last member.
-    pub(super) last: bool,
-}
-
-/// Each gradient's bucket, given the gradients' per-rank shard elements in the order the
-/// backward completes them: the compiled path's runs, each member told whether it closes its run.
-pub(super) fn plan(shard_numels: &[u64], capacity: u64) -> Vec<Bucket> {
+/// Each gradient's bucket size (per-rank elements), given the gradients' per-rank shard elements
+/// in the order the backward completes them: the compiled path's runs.
+pub(super) fn plan(shard_numels: &[u64], capacity: u64) -> Vec<u64> {
     bucket_runs(shard_numels, capacity)
         .into_iter()
-        .flat_map(|(members, numel)| {
-            (0..members).map(move |k| Bucket {
-                numel,
-                last: k + 1 == members,
-            })
-        })
+        .flat_map(|(members, numel)| std::iter::repeat_n(numel, members))
         .collect()
 }
 
@@ -36,43 +22,29 @@ mod tests {
     use proptest::prelude::*;
 
     #[test]
-    fn each_bucket_ends_with_a_flush() {
-        let b = plan(&[4, 4, 4, 9, 1], 10);
-        let sizes: Vec<u64> = b.iter().map(|b| b.numel).collect();
-        let last: Vec<bool> = b.iter().map(|b| b.last).collect();
-        assert_eq!(sizes, vec![8, 8, 4, 10, 10]);
-        assert_eq!(last, vec![false, true, true, false, true]);
-        assert_eq!(
-            plan(&[30, 2], 10)[0],
-            Bucket {
-                numel: 30,
-                last: true
-            }
-        );
+    fn each_gradient_learns_its_runs_size() {
+        assert_eq!(plan(&[4, 4, 4, 9, 1], 10), vec![8, 8, 4, 10, 10]);
+        assert_eq!(plan(&[30, 2], 10), vec![30, 2]);
         assert!(plan(&[], 10).is_empty());
     }
 
     proptest! {
-        /// The sizes are the compiled path's, and a bucket's members are a run that ends at its
-        /// one `last` member and adds up to its size.
+        /// The sizes are the compiled path's, and consecutive members of one size fill it
+        /// exactly, so Python's "full" is the bucket's end.
         #[test]
         fn buckets_match_the_compiled_path(
             numels in prop::collection::vec(0u64..300, 0..60),
             capacity in 1u64..600,
         ) {
             let b = plan(&numels, capacity);
-            let sizes: Vec<u64> = b.iter().map(|b| b.numel).collect();
-            prop_assert_eq!(sizes, grad_buckets(&numels, capacity));
-            let mut sum = 0u64;
-            for (i, bucket) in b.iter().enumerate() {
-                sum += numels[i];
-                if bucket.last {
-                    prop_assert_eq!(sum, bucket.numel);
-                    sum = 0;
-                }
+            prop_assert_eq!(&b, &grad_buckets(&numels, capacity));
+            let mut start = 0;
+            for (members, numel) in bucket_runs(&numels, capacity) {
+                prop_assert!(b[start..start + members].iter().all(|&n| n == numel));
+                prop_assert_eq!(numels[start..start + members].iter().sum::<u64>(), numel);
+                start += members;
             }
-            prop_assert_eq!(sum, 0);
-            prop_assert!(b.last().is_none_or(|b| b.last));
+            prop_assert_eq!(start, numels.len());
         }
     }
 }

@@ -23,6 +23,8 @@ pub struct Coordinator {
     pub(super) units: Vec<Vec<Slot>>,
     pub(super) state: TraceState,
     pub(super) step: Step,
+    /// Some parameter is frozen: gradients and finished backwards may release frozen ones.
+    pub(super) has_frozen: bool,
 }
 
 /// The trace mode with the trace it reads.
@@ -68,6 +70,8 @@ pub(super) struct Step {
     pub(super) stack: Vec<Activation>,
     /// The trace position the last backward hook found; the next one looks before it.
     pub(super) cursor: usize,
+    /// Per unit: its activations whose backward finished (`post_backward` calls).
+    pub(super) post_done: Vec<usize>,
 }
 
 impl Coordinator {
@@ -92,6 +96,7 @@ impl Coordinator {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
+            has_frozen: params.iter().any(|p| !p.requires_grad),
             params: Params::new(params, cfg.persist_numel),
             cfg,
             state: TraceState::Record,
@@ -101,6 +106,7 @@ impl Coordinator {
                 log: StepLog::new(units.len()),
                 stack: Vec::new(),
                 cursor: 0,
+                post_done: vec![0; units.len()],
             },
             units,
         })
@@ -170,6 +176,7 @@ impl Coordinator {
     fn close_step(&mut self, whole: bool) -> bool {
         self.params.clear_step();
         self.step.stack.clear();
+        self.step.post_done.fill(0);
         self.step.phase = Phase::Idle;
         let log = &self.step.log;
         let (state, recorded) = match std::mem::replace(&mut self.state, TraceState::Record) {

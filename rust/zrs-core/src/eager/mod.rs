@@ -179,14 +179,14 @@ pub struct Fetch {
 }
 
 /// What Python does with a parameter whose gradient is complete.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct GradReady {
-    /// Free the gathered copy.
-    pub release: bool,
+    /// Free these gathered copies: the parameter's own, and frozen parameters whose every user
+    /// finished its backward with this gradient.
+    pub release: Vec<Slot>,
     /// Per-rank elements of the planned bucket the gradient goes to; 0 when none is planned.
+    /// Python reduce-scatters a bucket once its members fill it.
     pub bucket_numel: u64,
-    /// The gradient is its bucket's last: reduce-scatter the bucket now.
-    pub flush: bool,
 }
 
 /// What Python does at the end of a backward.

@@ -81,6 +81,10 @@ impl Params {
         self.backward[slot] = true;
     }
 
+    pub(super) fn drop_backward(&mut self, slot: Slot) {
+        self.backward[slot] = false;
+    }
+
     pub(super) fn grad_done(&self, slot: Slot) -> bool {
         self.grad_done[slot]
     }

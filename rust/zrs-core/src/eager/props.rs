@@ -140,6 +140,12 @@ impl Run {
         self.tick()
     }
 
+    fn post_backward(&mut self, unit: UnitId) -> bool {
+        let released = self.c.post_backward(unit).unwrap();
+        self.sh.post_backward(unit, &released);
+        self.tick()
+    }
+
     /// A recompute of one unit (an activation-checkpointed region) inside the backward.
     fn recompute(&mut self, grads: &[Slot]) -> bool {
         // Before the backward's first hook a recompute's root would end the step: only units.
@@ -172,6 +178,7 @@ impl Run {
         }
         let mut grads = self.sh.step_grads();
         self.rng.shuffle(&mut grads);
+        let mut finishing = Vec::new();
         for u in units {
             while !grads.is_empty() && self.rng.one_in(2) {
                 let slot = grads.remove(0);
@@ -185,6 +192,21 @@ impl Run {
             let f = self.c.pre_backward(u).unwrap();
             self.sh.pre_backward(u, &f);
             if !self.tick() || (self.rng.one_in(8) && !self.fetch()) {
+                return false;
+            }
+            // Its end comes when its inputs' gradient is complete, possibly after the next
+            // unit's backward began; never when its inputs need no gradient.
+            if !self.rng.one_in(4) {
+                finishing.push(u);
+            }
+            while !finishing.is_empty() && self.rng.one_in(2) {
+                if !self.post_backward(finishing.remove(0)) {
+                    return false;
+                }
+            }
+        }
+        for u in finishing {
+            if !self.post_backward(u) {
                 return false;
             }
         }
@@ -235,6 +257,7 @@ impl Run {
         assert_eq!(self.c.fetch(0), Err(Error::ReadOutsideForward(0)));
         assert_eq!(self.c.pre_backward(0), Err(Error::BackwardOutsideStep(0)));
         assert_eq!(self.c.grad_ready(0), Err(Error::GradOutsideBackward(0)));
+        assert_eq!(self.c.post_backward(0), Err(Error::BackwardOutsideStep(0)));
         assert_eq!(self.c.post_forward(0), Err(Error::UnitNotActive(0)));
     }
 }

@@ -27,11 +27,15 @@ pub(super) struct Shadow {
     trace_params: Vec<(usize, Slot)>,
     /// This step's forward activations and what each fetched.
     log: Vec<(UnitId, Vec<Slot>)>,
+    /// Per unit: `post_backward` calls in this step, and backwards begun but not finished.
+    post_done: Vec<usize>,
+    open: Vec<usize>,
 }
 
 impl Shadow {
     pub(super) fn new(c: &Coordinator, specs: Vec<ParamSpec>, own: Vec<Vec<Slot>>) -> Self {
         let n = specs.len();
+        let own_len = own.len();
         let own = own
             .into_iter()
             .map(|o| {
@@ -60,6 +64,8 @@ impl Shadow {
             trace: Vec::new(),
             trace_params: Vec::new(),
             log: Vec::new(),
+            post_done: vec![0; own_len],
+            open: vec![0; own_len],
         }
     }
 
@@ -172,6 +178,8 @@ impl Shadow {
         self.stack.clear();
         self.backward.fill(false);
         self.grad_done.fill(false);
+        self.post_done.fill(0);
+        self.open.fill(0);
         assert_eq!(released, expected);
         self.released(released, with_persistent);
         let recorded = whole && self.mode == TraceMode::Record;
@@ -289,19 +297,69 @@ impl Shadow {
         required.iter().for_each(|&s| self.backward[s] = true);
         assert_eq!(f.diverged, None);
         self.fetched(f, &required);
+        self.open[unit] += 1;
     }
 
     pub(super) fn grad_ready(&mut self, slot: Slot, g: &GradReady) {
         self.phase = Phase::Backward;
         self.grad_done[slot] = true;
         self.backward[slot] = false;
-        assert_eq!(g.release, self.releasable(slot));
-        if g.release {
+        let own = self.releasable(slot);
+        assert_eq!(
+            g.release.first() == Some(&slot),
+            own,
+            "{slot}: {:?}",
+            g.release
+        );
+        if own {
             self.released(&[slot], false);
         }
+        let users: Vec<UnitId> = (self.log.iter())
+            .filter(|a| a.1.contains(&slot))
+            .map(|a| a.0)
+            .collect();
+        self.frozen_released(&users, &g.release[usize::from(own)..]);
         if self.mode != TraceMode::Complete {
-            assert_eq!((g.bucket_numel, g.flush), (0, false));
+            assert_eq!(g.bucket_numel, 0);
         }
+    }
+
+    pub(super) fn post_backward(&mut self, unit: UnitId, released: &[Slot]) {
+        self.phase = Phase::Backward;
+        self.post_done[unit] += 1;
+        self.open[unit] = self.open[unit].saturating_sub(1);
+        self.frozen_released(&[unit], released);
+    }
+
+    /// Every forward activation of `unit` in this step reported the end of its backward, and
+    /// every trainable parameter they fetched has its gradient.
+    fn finished(&self, unit: UnitId) -> bool {
+        let acts = || self.log.iter().filter(|a| a.0 == unit);
+        self.post_done[unit] >= acts().count()
+            && acts()
+                .flat_map(|a| &a.1)
+                .all(|&s| !self.specs[s].requires_grad || self.grad_done[s])
+    }
+
+    /// Checks the frozen parameters an event of `units` released against the rule: of the
+    /// finished ones among `units`, each frozen parameter whose every user finished loses its
+    /// backward hold, and is released unless held otherwise.
+    fn frozen_released(&mut self, units: &[UnitId], released: &[Slot]) {
+        let mut done: Vec<Slot> = Vec::new();
+        for &u in units.iter().filter(|&&u| self.finished(u)) {
+            for a in self.log.iter().filter(|a| a.0 == u) {
+                done.extend(a.1.iter().filter(|&&s| !self.specs[s].requires_grad));
+            }
+        }
+        done.retain(|&s| {
+            let mut users = self.log.iter().filter(|a| a.1.contains(&s)).map(|a| a.0);
+            users.all(|u| self.finished(u))
+        });
+        done.iter().for_each(|&s| self.backward[s] = false);
+        let expected: HashSet<Slot> = done.into_iter().filter(|&s| self.releasable(s)).collect();
+        let got: HashSet<Slot> = released.iter().copied().collect();
+        assert_eq!(got, expected, "frozen releases {released:?}");
+        self.released(released, false);
     }
 
     pub(super) fn end_backward(&mut self, end: &EndStep) {
@@ -319,6 +377,16 @@ impl Shadow {
 
     /// What must hold after every call.
     pub(super) fn check(&self, c: &Coordinator) {
+        // A unit whose backward runs has its last activation's frozen parameters gathered.
+        for (unit, _) in self.open.iter().enumerate().filter(|(_, &n)| n > 0) {
+            let last = self.log.iter().rev().find(|a| a.0 == unit).map(|a| &a.1);
+            for &s in last.unwrap_or(&self.own[unit]) {
+                assert!(
+                    self.specs[s].requires_grad || self.status[s] != ParamStatus::Released,
+                    "frozen slot {s} released while unit {unit}'s backward runs"
+                );
+            }
+        }
         for (s, &status) in self.status.iter().enumerate() {
             assert_eq!(c.status(s).unwrap(), status, "slot {s}");
         }

@@ -110,8 +110,7 @@ fn the_last_unit_stays_gathered_for_its_backward_only_when_training() {
     assert_eq!((run[1].1.clone(), run[2].1.clone()), (vec![1], vec![]));
     assert_eq!(c.status(2), Ok(ParamStatus::Gathered));
     assert_eq!(c.pre_backward(3).unwrap(), fetch(&[], &[], &[&[1]]));
-    let ready = c.grad_ready(2).unwrap();
-    assert!(ready.release);
+    assert_eq!(c.grad_ready(2).unwrap().release, vec![2]);
     assert_eq!(c.pre_backward(2).unwrap(), fetch(&[], &[1], &[&[0]]));
     let end = c.end_backward();
     assert_eq!((end.release, end.recorded), (vec![0, 1], false));
@@ -127,20 +126,15 @@ fn grad_buckets_follow_the_recorded_backward() {
     for unit in [3, 2, 1] {
         c.pre_backward(unit).unwrap();
         let ready = c.grad_ready(unit - 1).unwrap();
-        assert_eq!(
-            (ready.bucket_numel, ready.flush),
-            (0, false),
-            "no plan while recording"
-        );
+        assert_eq!(ready.bucket_numel, 0, "no plan while recording");
     }
     assert!(c.end_backward().recorded);
     forward(&mut c, &[1, 2, 3], true);
-    let buckets: Vec<(u64, bool)> = [2, 1, 0]
+    let buckets: Vec<u64> = [2, 1, 0]
         .into_iter()
-        .map(|s| c.grad_ready(s).unwrap())
-        .map(|g| (g.bucket_numel, g.flush))
+        .map(|s| c.grad_ready(s).unwrap().bucket_numel)
         .collect();
-    assert_eq!(buckets, vec![(10, false), (10, true), (5, true)]);
+    assert_eq!(buckets, vec![10, 10, 5]);
 }
 
 #[test]
@@ -156,7 +150,7 @@ fn persistent_parameters_stay_gathered_until_a_reset() {
     assert_eq!(c.live_numel(), 0, "persistent parameters do not count");
     c.pre_backward(2).unwrap();
     assert_eq!(c.pre_backward(1).unwrap(), Fetch::default());
-    assert!(!c.grad_ready(0).unwrap().release);
+    assert_eq!(c.grad_ready(0).unwrap().release, Vec::<Slot>::new());
     assert_eq!(c.end_backward().release, vec![1]);
     let run = forward(&mut c, &[1, 2], false);
     assert_eq!(
@@ -237,8 +231,9 @@ fn a_recompute_holds_its_parameters_through_the_backward() {
         "a recompute's root"
     );
     assert_eq!(c.pre_forward(1).unwrap(), fetch(&[0], &[], &[]));
-    assert!(
-        !c.grad_ready(0).unwrap().release,
+    assert_eq!(
+        c.grad_ready(0).unwrap().release,
+        Vec::<Slot>::new(),
         "the recompute still runs"
     );
     assert_eq!(c.post_forward(1).unwrap(), vec![0]);
@@ -335,12 +330,77 @@ fn a_trace_recorded_without_backward_plans_buckets_at_its_first_backward() {
     forward(&mut c, &[1, 2], false);
     assert_eq!(c.mode(), TraceMode::Complete);
     forward(&mut c, &[1, 2], true);
-    let unplanned = c.grad_ready(1).unwrap();
-    assert_eq!((unplanned.bucket_numel, unplanned.flush), (0, false));
+    assert_eq!(c.grad_ready(1).unwrap().bucket_numel, 0);
     c.grad_ready(0).unwrap();
     assert!(!c.end_backward().recorded, "the trace was recorded before");
     forward(&mut c, &[1, 2], true);
-    let planned = c.grad_ready(1).unwrap();
-    assert_eq!((planned.bucket_numel, planned.flush), (10, false));
-    assert!(c.grad_ready(0).unwrap().flush);
+    assert_eq!(c.grad_ready(1).unwrap().bucket_numel, 10);
+    assert_eq!(c.grad_ready(0).unwrap().bucket_numel, 10);
+}
+
+/// A LoRA-like layer stack: each layer a frozen weight (slot 2k) and a trainable adapter
+/// (2k + 1), each layer one unit.
+fn lora(layers: usize) -> Coordinator {
+    let params: Vec<ParamSpec> = (0..2 * layers)
+        .map(|s| ParamSpec {
+            requires_grad: s % 2 == 1,
+            ..spec(10)
+        })
+        .collect();
+    let units: Vec<Vec<Slot>> = std::iter::once(vec![])
+        .chain((0..layers).map(|k| vec![2 * k, 2 * k + 1]))
+        .collect();
+    let numels = unit_numels(&params, &units).unwrap();
+    let cfg = EagerConfig::resolve(None, Some(1000), Some(0), None, 100, &numels);
+    Coordinator::new(cfg, params, units).unwrap()
+}
+
+#[test]
+fn a_frozen_weight_goes_when_its_layer_finished_its_backward() {
+    let mut c = lora(3);
+    forward(&mut c, &[1, 2, 3], true);
+    c.pre_backward(3).unwrap();
+    assert_eq!(
+        c.post_backward(3).unwrap(),
+        Vec::<Slot>::new(),
+        "the adapter's gradient is due"
+    );
+    assert_eq!(
+        c.grad_ready(5).unwrap().release,
+        vec![5, 4],
+        "the layer is done: both go"
+    );
+    c.pre_backward(2).unwrap();
+    assert_eq!(
+        c.grad_ready(3).unwrap().release,
+        vec![3],
+        "its inputs' gradient is due"
+    );
+    assert_eq!(c.status(2), Ok(ParamStatus::Gathered));
+    assert_eq!(c.post_backward(2).unwrap(), vec![2]);
+    c.pre_backward(1).unwrap();
+    c.grad_ready(1).unwrap();
+    // Layer 1's inputs need no gradient: no post_backward, its weight waits for the end.
+    assert_eq!(c.end_backward().release, vec![0]);
+}
+
+#[test]
+fn a_frozen_weight_stays_while_any_activation_that_used_it_runs_its_backward() {
+    let mut c = lora(2);
+    forward(&mut c, &[1, 2, 1], true); // layer 1 called twice
+    c.pre_backward(1).unwrap();
+    c.grad_ready(1).unwrap(); // the adapter's gradient sums both calls: complete at its last
+    c.pre_backward(1).unwrap(); // the first call's backward starts before the second's ends
+    assert_eq!(
+        c.post_backward(1).unwrap(),
+        Vec::<Slot>::new(),
+        "one call still runs"
+    );
+    assert_eq!(c.status(0), Ok(ParamStatus::Gathered));
+    assert_eq!(c.post_backward(1).unwrap(), vec![0]);
+    c.pre_backward(2).unwrap();
+    assert_eq!(c.grad_ready(3).unwrap().release, vec![3]);
+    assert_eq!(c.post_backward(2).unwrap(), vec![2]);
+    assert_eq!(c.end_backward().release, Vec::<Slot>::new());
+    assert_eq!(c.post_backward(1), Err(Error::BackwardOutsideStep(1)));
 }

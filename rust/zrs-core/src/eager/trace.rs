@@ -9,7 +9,7 @@
 
 use crate::registry::Slot;
 
-use super::buckets::{self, Bucket};
+use super::buckets;
 use super::params::Params;
 use super::UnitId;
 
@@ -73,6 +73,34 @@ impl StepLog {
     pub(super) fn last_params(&self, unit: UnitId) -> Option<&[Slot]> {
         self.last[unit].map(|p| self.params[p].as_slice())
     }
+
+    /// How many times `unit` ran in this step's forward.
+    pub(super) fn activations(&self, unit: UnitId) -> usize {
+        self.units.iter().filter(|&&u| u == unit).count()
+    }
+
+    /// What any activation of `unit` fetched in this step, each once.
+    pub(super) fn unit_params(&self, unit: UnitId) -> Vec<Slot> {
+        let mut slots = Vec::new();
+        for (&u, fetched) in self.units.iter().zip(&self.params) {
+            for &slot in fetched.iter().filter(|_| u == unit) {
+                if !slots.contains(&slot) {
+                    slots.push(slot);
+                }
+            }
+        }
+        slots
+    }
+
+    /// The units whose activations fetched `slot` in this step (a unit once per activation).
+    pub(super) fn users(&self, slot: Slot) -> impl Iterator<Item = UnitId> + '_ {
+        let fetched = self.params.iter().map(move |p| p.contains(&slot));
+        self.units
+            .iter()
+            .zip(fetched)
+            .filter(|(_, f)| *f)
+            .map(|(&u, _)| u)
+    }
 }
 
 /// A recorded forward, with what prefetching and reuse read from it.
@@ -89,9 +117,9 @@ pub(super) struct Trace {
     next_forward: Vec<Option<u64>>,
     /// Per unit: its positions, ascending.
     positions: Vec<Vec<usize>>,
-    /// Per slot: its gradient bucket; `None` until a backward under this trace completed
+    /// Per slot: its gradient bucket's size; `None` until a backward under this trace completed
     /// gradients (a trace recorded by a forward without backward has no plan yet).
-    grad_plan: Option<Vec<Option<Bucket>>>,
+    grad_plan: Option<Vec<Option<u64>>>,
 }
 
 impl Trace {
@@ -204,8 +232,8 @@ impl Trace {
         self.grad_plan = Some(plan);
     }
 
-    /// The planned bucket of `slot`'s gradient.
-    pub(super) fn bucket(&self, slot: Slot) -> Option<Bucket> {
+    /// The planned bucket size of `slot`'s gradient.
+    pub(super) fn bucket(&self, slot: Slot) -> Option<u64> {
         self.grad_plan.as_ref()?.get(slot).copied().flatten()
     }
 }

@@ -1,9 +1,9 @@
 """The CPU correctness suite's models on every visible GPU (NCCL), fp32 and bf16, against the CPU
 references.
 
-Marked `gpu`: skipped without two CUDA devices (tests/conftest.py). Run on the device machine with
-`bash scripts/device_setup.sh python3 -m pytest -m gpu tests/gpu` (the setup script installs the
-carried wheel and keeps NVLink multicast off). The world size is the number of visible GPUs;
+Marked `gpu`: skipped without two CUDA devices, or one with `ZRS_GPU_WORLD=1` (tests/conftest.py).
+Run on the device machine with `bash scripts/device_setup.sh python3 -m pytest -m gpu tests/gpu`
+(the setup script installs the carried wheel and keeps NVLink multicast off). The world size is the number of visible GPUs;
 `ZRS_GPU_WORLD=N` picks fewer, e.g. 3 on a 4-GPU host so that shards need uneven padding. On
 2xH200 the module takes ~200 s; on 4xH200 (world 4) it had not finished after 240 s (session 6,
 cause not known), so give a 4-GPU run its own device call or `ZRS_GPU_WORLD=2`.

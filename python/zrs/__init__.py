@@ -16,7 +16,6 @@ from torch import nn
 
 from zrs import options, units, wrap
 from zrs._core import BudgetInfeasibleError, ZrsError
-from zrs.compiler.plan import SCHEDULERS, trace_dir_from_env
 from zrs.runtime import ops as _ops  # noqa: F401  (registers the torch.ops.zrs namespace)
 from zrs.sharding import InitFn
 from zrs.state_dict import full_state_dict
@@ -116,9 +115,11 @@ def compile(
 
     Returns the same model object, sharded and compiled in place.
     """
-    # The dynamo backend imports AOTAutograd and, through it, half of inductor (0.3 s, about 1 s
-    # without cached bytecode): only zrs.compile pays for it, not `import zrs` and zrs.shard.
+    # The compiled path's modules (the dynamo backend imports AOTAutograd and, through it, half
+    # of inductor: 0.3 s, about 1 s without cached bytecode) are imported by zrs.compile only,
+    # not by `import zrs` and zrs.shard.
     from zrs.compiler.backend import BACKENDS, make_backend
+    from zrs.compiler.plan import SCHEDULERS, trace_dir_from_env
 
     if backend not in BACKENDS:
         raise ZrsError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")

@@ -29,9 +29,8 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from zrs import options, state_dict
 from zrs._core import ZrsError
-from zrs.compiler.regions import UNRESOLVED
 from zrs.runtime import grads, handles
-from zrs.runtime.handles import ParamHandle
+from zrs.runtime.handles import UNRESOLVED, ParamHandle
 from zrs.runtime.state import ZeroState
 
 InitFn = Callable[[nn.Module], None]

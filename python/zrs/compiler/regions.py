@@ -24,8 +24,7 @@ from torch import fx
 
 from zrs._core import ZrsError
 from zrs.compiler._fx import INVOKE_SUBGRAPH, region_body
-
-UNRESOLVED = -1  # the ds_id of a gather as the property traces it
+from zrs.runtime.handles import UNRESOLVED
 
 
 def is_gather(n: fx.Node) -> bool:

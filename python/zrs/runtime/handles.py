@@ -26,6 +26,9 @@ if TYPE_CHECKING:
     from zrs.runtime.state import ZeroState
 
 
+UNRESOLVED = -1  # the ds_id of a gather as the gather property traces it (compiler/regions.py)
+
+
 @dataclass(eq=False)
 class ParamHandle:
     """What the ops need about one sharded parameter, keyed by its process-wide `ds_id`.

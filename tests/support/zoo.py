@@ -339,9 +339,11 @@ def train_reference(
     *,
     steps: int = STEPS,
     autocast_dtype: torch.dtype | None = None,
+    max_norm: float | None = None,
 ) -> Reference:
     """Unsharded, single-process training equivalent to data-parallel training on
-    ``world_size`` ranks: each step averages the gradients of the ranks' batches."""
+    ``world_size`` ranks: each step averages the gradients of the ranks' batches (and clips
+    their global norm to ``max_norm``)."""
     model = spec.build()
     init = param_dict(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -361,6 +363,8 @@ def train_reference(
                 acc += g
         for p, g in zip(trainable, total, strict=True):
             p.grad = g / world_size
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(trainable, max_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(step_losses)
@@ -394,13 +398,18 @@ class Case:
     # True: pass process_group=None (the default group). False: a fresh group for this case
     # alone, so that a failure in one case cannot leave stale messages for the next one.
     default_group: bool = False
+    # Step through zrs.GraphedStep (a fused SGD, clipped to max_norm when given) instead of
+    # opt.step().
+    graphed_step: bool = False
+    max_norm: float | None = None
 
     @property
     def key(self) -> str:
         dtype = "" if self.param_dtype is None else f"-{str(self.param_dtype).split('.')[-1]}"
         sched = "" if self.scheduler is None else f"-{self.scheduler}"
         where = "" if self.device == "cpu" else f"-{self.device}"
-        return f"{self.backend}{sched}-{self.model}{dtype}{where}"
+        graphed = f"-graphed{self.max_norm or ''}" if self.graphed_step else ""
+        return f"{self.backend}{sched}-{self.model}{dtype}{where}{graphed}"
 
 
 def _train_zrs(rank: int, case: Case, group: object) -> dict:
@@ -445,7 +454,10 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
         model.register_forward_hook(
             lambda m, args, out: output_dtypes.append(getattr(out, "logits", out).dtype)
         )
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    opt = torch.optim.SGD(
+        model.parameters(), lr=LR, momentum=MOMENTUM, fused=True if case.graphed_step else None
+    )
+    optimizer_step = zrs.GraphedStep(opt, max_norm=case.max_norm) if case.graphed_step else opt.step
     losses = []
     for step in range(case.steps):
         opt.zero_grad(set_to_none=True)
@@ -454,7 +466,7 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
         )
         loss = spec.loss(model, batch)
         loss.backward()
-        opt.step()
+        optimizer_step()
         losses.append(loss.item())
     graphs = counters["stats"]["unique_graphs"]
     generated = spec.generate(model) if spec.generate is not None else None

@@ -20,10 +20,12 @@
 // Everything runs on the current CUDA stream, with no host synchronisation.
 
 #include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -32,7 +34,15 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
 #include <type_traits>
+#include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace {
@@ -310,6 +320,86 @@ struct Plan {
   }
 };
 
+// Segment tables too large to pass inline, resident on the device: keyed by their bytes (the
+// buffers' addresses included), so a table that repeats from step to step, as a plan's do, is
+// copied host-to-device once. A copy is stream-ordered on the stream that made it; another stream
+// that uses the table first waits for its event, and is recorded with the allocator so that an
+// evicted table's memory is not reused while that stream may still read it. Under CUDA graph
+// capture (which starts with a device synchronize, so every copy is done) a table must already be
+// here: the captured kernel reads it at every replay, so it is kept for good from then on.
+class TableCache {
+ public:
+  const Seg* get(const std::vector<Seg>& segs, const at::Device& device, cudaStream_t stream) {
+    const std::string_view key(reinterpret_cast<const char*>(segs.data()),
+                               segs.size() * sizeof(Seg));
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    const bool capturing = capture != cudaStreamCaptureStatusNone;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto found = index_.find(key);
+    if (found != index_.end()) {
+      lru_.splice(lru_.begin(), lru_, found->second);  // most recently used first
+      Entry& e = *found->second;
+      if (!e.device.has_value() || *e.device != device) return nullptr;  // another GPU: no reuse
+      if (capturing) {
+        e.keep = true;
+      } else if (stream != e.made_on && e.waited.insert(stream).second) {
+        e.ready.block(c10::cuda::getStreamFromExternal(stream, device.index()));
+        c10::cuda::CUDACachingAllocator::recordStream(
+            e.dev.storage().data_ptr(), c10::cuda::getStreamFromExternal(stream, device.index()));
+      }
+      return static_cast<const Seg*>(e.dev.data_ptr());
+    }
+    TORCH_CHECK(!capturing,
+                "zrs copy kernels: a copy first seen while a CUDA graph is being captured; run the "
+                "step once uncaptured first (its segment tables are then on the device)");
+    auto e = std::make_unique<Entry>();
+    e->bytes.assign(key.begin(), key.end());
+    e->host = at::empty({int64_t(key.size())},
+                        at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    std::memcpy(e->host.data_ptr(), key.data(), key.size());
+    e->dev = e->host.to(at::TensorOptions().device(device).dtype(at::kByte), /*non_blocking=*/true);
+    e->device = device;
+    e->made_on = stream;
+    e->ready.record(c10::cuda::getStreamFromExternal(stream, device.index()));
+    lru_.push_front(std::move(e));
+    index_.emplace(std::string_view(lru_.front()->bytes), lru_.begin());
+    evict();
+    return static_cast<const Seg*>(lru_.front()->dev.data_ptr());
+  }
+
+ private:
+  struct Entry {
+    std::string bytes;  // the table, the key
+    at::Tensor host, dev;
+    std::optional<at::Device> device;
+    cudaStream_t made_on = nullptr;
+    at::cuda::CUDAEvent ready;  // the host-to-device copy is done
+    std::unordered_set<cudaStream_t> waited;
+    bool keep = false;
+  };
+  using List = std::list<std::unique_ptr<Entry>>;
+
+  void evict() {
+    for (auto it = std::prev(lru_.end()); lru_.size() > kMaxTables && it != lru_.begin();) {
+      auto victim = it--;
+      if ((*victim)->keep) continue;
+      index_.erase(std::string_view((*victim)->bytes));
+      lru_.erase(victim);
+    }
+  }
+
+  static constexpr size_t kMaxTables = 1024;  // about a plan's worth: a few per graph and step
+  std::mutex mu_;
+  List lru_;
+  std::unordered_map<std::string_view, List::iterator> index_;
+};
+
+TableCache& table_cache() {
+  static TableCache* cache = new TableCache();  // never destroyed: CUDA may be gone at exit
+  return *cache;
+}
+
 void launch(const Plan& plan, at::ScalarType dst_type, double scale, const at::Device& device) {
   if (plan.tiles == 0) return;
   TORCH_CHECK(plan.tiles <= std::numeric_limits<int32_t>::max(),
@@ -318,15 +408,19 @@ void launch(const Plan& plan, at::ScalarType dst_type, double scale, const at::D
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   InlineSegs inl;
   const Seg* table = nullptr;
-  at::Tensor table_dev;  // freed after the launch: stream-ordered, same stream as the kernel
+  at::Tensor table_dev;  // a table of another GPU than the cached one's: freed after the launch
   if (nseg <= kInline) {
     std::memcpy(inl.s, plan.segs.data(), nseg * sizeof(Seg));
   } else {
-    const int64_t bytes = int64_t(nseg) * int64_t(sizeof(Seg));
-    at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-    std::memcpy(host.data_ptr(), plan.segs.data(), bytes);
-    table_dev = host.to(at::TensorOptions().device(device).dtype(at::kByte), /*non_blocking=*/true);
-    table = static_cast<const Seg*>(table_dev.data_ptr());
+    table = table_cache().get(plan.segs, device, stream);
+    if (table == nullptr) {
+      const int64_t bytes = int64_t(nseg) * int64_t(sizeof(Seg));
+      at::Tensor host =
+          at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+      std::memcpy(host.data_ptr(), plan.segs.data(), bytes);
+      table_dev = host.to(at::TensorOptions().device(device).dtype(at::kByte), true);
+      table = static_cast<const Seg*>(table_dev.data_ptr());
+    }
   }
   const bool scaled = scale != 1.0;
   const dim3 grid(static_cast<unsigned>(plan.tiles));

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from zrs.runtime import gather, streams
 from zrs.runtime.collectives import reduce_scatter
+from zrs.runtime.grad_store import Key
 from zrs.runtime.handles import ParamHandle, handles, names
 from zrs.runtime.state import ZeroState
 
@@ -37,6 +38,7 @@ class Bucket:
     buf: torch.Tensor
     members: list[tuple[ParamHandle, int]] = field(default_factory=list)  # (handle, column)
     used: int = 0  # columns filled
+    region: Key | None = None  # one rank: `buf` is this region of the model's GradStore
 
 
 @dataclass(eq=False)
@@ -46,6 +48,7 @@ class Reduce:
     members: list[tuple[ParamHandle, int]]
     packed: torch.Tensor  # the bucket, kept alive until the reduce-scatter has read it
     done: torch.cuda.Event | None = None  # on the reduce stream: the reduce-scatter finished
+    region: Key | None = None  # `out` is this region of the model's GradStore
     graph: int = field(init=False)  # the graph that issued it (error messages)
 
     def __post_init__(self) -> None:
@@ -106,10 +109,14 @@ def reduce_grads(
             bucket = None
         if bucket is None:
             cap = max(bucket_numels[i] or GRAD_BUCKET_NUMEL, hs[i].shard_numel)
-            buf = torch.empty(
-                state.world_size, cap, dtype=state.reduce_dtype, device=grads[i].device
-            )
-            bucket = st.bucket = Bucket(state, buf)
+            shape = (state.world_size, cap)
+            # One rank: the packed bucket is the reduced gradient, so it is what stays in place.
+            taken = _region(state, hs[i], shape, grads[i].device) if state.world_size == 1 else None
+            if taken is None:
+                buf = torch.empty(shape, dtype=state.reduce_dtype, device=grads[i].device)
+                bucket = st.bucket = Bucket(state, buf)
+            else:
+                bucket = st.bucket = Bucket(state, taken[1], region=taken[0])
         start, end = bucket.used, i
         scalars = []  # columns of 0-d parameters
         while end < len(hs) and hs[end].state is state:
@@ -157,17 +164,30 @@ def _flush(state: ZeroState) -> None:
         # strided and the collective needs them packed, a copy of the whole bucket.
         packed = packed.narrow(1, 0, bucket.used).contiguous()
     if state.world_size == 1:  # one rank: the packed bucket is the reduced gradient
-        st.reducing.append(Reduce(None, packed.view(-1), bucket.members, packed))
+        reduced = Reduce(None, packed.view(-1), bucket.members, packed, region=bucket.region)
+        st.reducing.append(reduced)
         return
-    out = torch.empty(bucket.used, dtype=state.reduce_dtype, device=packed.device)
+    taken = _region(state, bucket.members[0][0], (bucket.used,), packed.device)
+    region, out = taken if taken is not None else (None, None)
+    if out is None:
+        out = torch.empty(bucket.used, dtype=state.reduce_dtype, device=packed.device)
     side = state.reduce_stream
     if side is None:
         work = reduce_scatter(out, packed.view(-1), state.reduce_group, async_op=True)
-        st.reducing.append(Reduce(work, out, bucket.members, packed))
+        st.reducing.append(Reduce(work, out, bucket.members, packed, region=region))
         return
     with streams.running_on(side) as done:
         reduce_scatter(out, packed.view(-1), state.reduce_group, async_op=False)
-    st.reducing.append(Reduce(None, out, bucket.members, packed, done[0]))
+    st.reducing.append(Reduce(None, out, bucket.members, packed, done[0], region))
+
+
+def _region(
+    state: ZeroState, first: ParamHandle, shape: tuple[int, ...], device: torch.device
+) -> tuple[Key, torch.Tensor] | None:
+    """A region of the model's GradStore for a bucket starting with `first`, if it keeps its
+    gradients in place (zrs.GraphedStep) and the region is free."""
+    store = state.grad_store
+    return None if store is None else store.take(first, shape, state.reduce_dtype, device)
 
 
 def _complete(r: Reduce) -> None:
@@ -178,6 +198,8 @@ def _complete(r: Reduce) -> None:
     grads = r.out.split_with_sizes([h.shard_numel for h, _ in r.members])
     for (h, _), g in zip(r.members, grads, strict=True):
         accumulate_grad(h, g)
+    if r.region is not None and r.state.grad_store is not None:
+        r.state.grad_store.filled(r.region, [h for h, _ in r.members])
 
 
 def accumulate_grad(h: ParamHandle, flat: torch.Tensor) -> None:

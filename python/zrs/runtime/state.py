@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from zrs._core import Registry, ZrsError
 from zrs.runtime import streams
 from zrs.runtime.exchange import Peers, all_gather_ints
+from zrs.runtime.grad_store import GradStore
 from zrs.runtime.handles import LIVE, ParamHandle
 
 if TYPE_CHECKING:  # the step's contents are defined by the modules that fill them
@@ -127,6 +128,9 @@ class ZeroState:
     # The eager path (`runtime/fetch.py`): the leaves that module code reads outside compiled
     # graphs and the coordinator that decides their gathers. Set by zrs.shard / zrs.compile.
     fetcher: Fetcher | None = None
+    # Reduced gradients kept at fixed addresses for a captured optimizer step (zrs.GraphedStep
+    # sets it; None: each backward reduces into fresh tensors).
+    grad_store: GradStore | None = None
     # What the ranks compare before each forward (STEP_COUNTERS).
     forwards: int = 0
     backwards: int = 0
@@ -276,6 +280,8 @@ class ZeroState:
                 self.wait(r.work, lambda r=r: r.describe())
         finally:
             self.registry.drop_all_gathers()
+            if self.grad_store is not None:
+                self.grad_store.reset()
         _log.warning(
             "zrs: %s: dropped %d gathered parameters and %d gradient buckets; gradients already "
             "accumulated stay in .grad (zero them to skip the step)",

@@ -1,0 +1,314 @@
+"""`zrs.GraphedStep`: the optimizer step, global-norm clipping and the non-finite check as one
+CUDA graph, captured once and replayed every step (docs/cuda-graphs.md).
+
+An eager optimizer step over DTensor shards is a few hundred small host calls; the GPU waits for
+them (4 ms of a 96 ms step at 1b on one H200, BENCHMARKS.md). Replayed, the step costs one launch
+and no host synchronisation: the norm, the decision to skip a non-finite step and the learning
+rate all stay on the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+from torch.distributed.tensor._ops._pointwise_ops import list_pointwise_strategy
+from torch.distributed.tensor._ops.utils import register_op_strategy
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+from torch.optim.optimizer import (
+    _global_optimizer_post_hooks,
+    _global_optimizer_pre_hooks,
+)
+
+from zrs._core import ZrsError
+from zrs.runtime.grad_store import GradStore
+from zrs.runtime.handles import LIVE
+
+_log = logging.getLogger("zrs")
+
+# Recaptures (gradients or optimizer state moved) after which the step stops capturing and runs
+# eagerly, with a warning: something reallocates them every step.
+MAX_RECAPTURES = 3
+
+
+def _shard_fused_sgd() -> None:
+    """DTensor has sharding rules for the fused Adam and AdamW kernels but none for fused SGD
+    (torch 2.11), so `SGD(fused=True)` over sharded parameters raises. It is as elementwise over
+    its lists as the fused Adam is: the same rule."""
+    aten = torch.ops.aten
+    for op in (aten._fused_sgd_.default, aten._fused_sgd_.tensor_lr):
+        register_op_strategy(op, schema_info=RuntimeSchemaInfo(needs_pytree=True))(
+            list_pointwise_strategy
+        )
+
+
+_shard_fused_sgd()
+
+
+class GraphedStep:
+    """Clip, check and step `optimizer` as one CUDA graph.
+
+    ```python
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-4), fused=True)
+    step = zrs.GraphedStep(opt, max_norm=1.0)
+    for batch in data:
+        model(batch).backward()
+        norm = step()          # the global gradient norm, a device tensor (no host sync)
+        opt.zero_grad()
+    ```
+
+    Each call computes the global norm of the gradients (over every rank: the parameters are
+    DTensors), clips them to `max_norm` if given, and steps the optimizer unless the norm is
+    inf or NaN, a decision taken on the device (the fused optimizers' `found_inf`), the same on
+    every rank. `skipped_steps` counts the steps skipped. The first `warmup` calls run eagerly
+    (they create the optimizer state); the next one captures the graph, and later calls replay
+    it, running the optimizer's step hooks around it as `optimizer.step()` would.
+
+    What a graph cannot do, and the error or behaviour instead:
+    - The optimizer must be fused (`fused=True`): only the fused kernels skip a step on the
+      device. Otherwise ZrsError.
+    - A hyperparameter held as a Python number is baked into the graph: changing one after the
+      warmup (a scheduler setting `lr` to a float) raises ZrsError. Hold it as a tensor
+      (`lr=torch.tensor(3e-4)`): schedulers update a tensor in place, which the graph reads.
+    - The gradients and the optimizer state must stay where they were captured. zrs keeps each
+      model's reduced gradients at fixed addresses for this (`runtime/grad_store.py`), so
+      `zero_grad()` (set to None) and `zero_grad(set_to_none=False)` both work. When they move
+      anyway (a recompile that plans other buckets, `optimizer.load_state_dict`), the next call
+      captures again; after MAX_RECAPTURES recaptures it warns and runs eagerly from then on.
+
+    On the CPU, or with `cuda_graphs=False`, every call runs the same operations eagerly: the
+    same numbers, bit for bit, without the graph.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        warmup: int = 2,
+        cuda_graphs: bool | None = None,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ZrsError(f"GraphedStep takes a torch.optim.Optimizer, not {optimizer!r}")
+        unfused = [i for i, g in enumerate(optimizer.param_groups) if not g.get("fused")]
+        if unfused:
+            raise ZrsError(
+                f"GraphedStep needs a fused optimizer, but param group(s) {unfused} of "
+                f"{type(optimizer).__name__} are not fused: only the fused kernels can skip a "
+                "non-finite step on the device. Construct it with fused=True "
+                "(torch.optim.AdamW, Adam, SGD and Adagrad have it)"
+            )
+        if max_norm is not None and not max_norm > 0:
+            raise ZrsError(f"max_norm must be a positive number or None, not {max_norm!r}")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+            raise ZrsError(f"warmup must be an int >= 1 (eager steps before capture), not {warmup}")
+        self.optimizer = optimizer
+        self.max_norm = max_norm
+        self.norm_type = norm_type
+        self.warmup = warmup
+        params = list(self._params())
+        if not params:
+            raise ZrsError("GraphedStep: the optimizer has no parameters that require grad")
+        device = _local(params[0]).device
+        self.graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        if self.graphs and device.type != "cuda":
+            raise ZrsError(f"cuda_graphs=True needs CUDA parameters; these are on {device}")
+        self.found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        self.norm = torch.zeros((), dtype=torch.float32, device=device)
+        self.skipped = torch.zeros((), dtype=torch.int64, device=device)
+        self.calls = 0
+        self.recaptures = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.captured: list[tuple[torch.Tensor, int]] = []  # (param, its grad's address)
+        self.fixed: list[dict[str, Any]] = []  # each group's hyperparameters after the warmup
+        # Reduced gradients at fixed addresses for every zrs model this optimizer trains.
+        ids = {id(p) for p in params}
+        for state in LIVE.models():
+            if state.grad_store is None and any(id(h.param) in ids for h in state.handles):
+                state.grad_store = GradStore()
+        optimizer.register_load_state_dict_post_hook(lambda _opt: self._forget())
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite gradient norm (reads the device: a host sync)."""
+        return int(self.skipped.item())
+
+    def __call__(self) -> torch.Tensor:
+        """One optimizer step; returns the global gradient norm (before clipping), a tensor that
+        the next call overwrites (clone it to keep it)."""
+        self.calls += 1
+        if self.calls <= self.warmup:
+            self._run()
+            return self.norm
+        self._check_hyperparameters()
+        if not self.graphs:
+            self._run()
+            return self.norm
+        if self.graph is None or not self._still_captured():
+            self._capture()
+        else:
+            self._replay()
+        return self.norm
+
+    # --- the step ---------------------------------------------------------------------------
+
+    def _params(self) -> Iterator[torch.Tensor]:
+        for group in self.optimizer.param_groups:
+            yield from (p for p in group["params"] if p.requires_grad)
+
+    def _run(self) -> None:
+        """The step's operations: eagerly, or under capture."""
+        params = [p for p in self._params() if p.grad is not None]
+        grads = [p.grad for p in params]
+        norm = get_total_norm(grads, self.norm_type, foreach=True)
+        if self.max_norm is not None:
+            clip_grads_with_norm_(params, self.max_norm, norm, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        self.norm.copy_(norm)
+        self.found_inf.copy_(norm.isfinite().logical_not())
+        self.skipped.add_(self.found_inf.to(torch.int64))
+        if any(not self.optimizer.state.get(p) for p in params) and bool(self.found_inf):
+            # A parameter's first step (warmup): a fused SGD step skipped on the device would
+            # still create its momentum buffer, uninitialised (torch 2.11), and use it next time.
+            # So the first step of a parameter looks at the norm on the host (one sync).
+            return
+        self.optimizer.found_inf = self.found_inf  # read by the fused kernels, as GradScaler does
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf
+
+    def _capture(self) -> None:
+        if self.graph is not None:
+            self.recaptures += 1
+            if self.recaptures > MAX_RECAPTURES:
+                warnings.warn(
+                    f"zrs.GraphedStep: the gradients or the optimizer state moved {self.recaptures} "
+                    "times since the first capture, so the step runs without a CUDA graph from "
+                    "now on. Keep the .grad tensors (zero_grad() is fine; do not assign new ones) "
+                    "and the optimizer state in place",
+                    stacklevel=3,
+                )
+                self.graphs = False
+                self.graph = None
+                self._run()
+                return
+            _log.info("zrs.GraphedStep: capturing again (gradients or optimizer state moved)")
+        groups = self.optimizer.param_groups
+        saved = [g.get("capturable") for g in groups]
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        try:
+            # The fused kernels ignore `capturable`; torch's capture check reads it.
+            for g in groups:
+                if "capturable" in g:
+                    g["capturable"] = True
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self._run()
+        finally:
+            for g, flag in zip(groups, saved, strict=True):
+                if flag is not None:
+                    g["capturable"] = flag
+        self.graph = graph
+        self.captured = [
+            (p, _local(p.grad).data_ptr()) for p in self._params() if p.grad is not None
+        ]
+        graph.replay()  # capture only recorded the step: run it
+
+    def _replay(self) -> None:
+        opt = self.optimizer
+        hooks = (*_global_optimizer_pre_hooks.values(), *opt._optimizer_step_pre_hooks.values())
+        for hook in hooks:
+            if hook(opt, (), {}) is not None:
+                raise ZrsError(
+                    "zrs.GraphedStep: an optimizer step pre-hook returned new arguments, which a "
+                    "captured step cannot take"
+                )
+        assert self.graph is not None
+        self.graph.replay()
+        for hook in (
+            *opt._optimizer_step_post_hooks.values(),
+            *_global_optimizer_post_hooks.values(),
+        ):
+            hook(opt, (), {})
+
+    def _still_captured(self) -> bool:
+        """Every gradient is where the graph reads it, and no other parameter has one."""
+        with_grad = [p for p in self._params() if p.grad is not None]
+        if len(with_grad) != len(self.captured):
+            return False
+        return all(
+            p is q and _local(p.grad).data_ptr() == ptr
+            for p, (q, ptr) in zip(with_grad, self.captured, strict=True)
+        )
+
+    def _forget(self) -> None:
+        """The optimizer loaded a state dict: its state tensors are new."""
+        if self.graph is not None:
+            self.graph = None
+            self.calls = min(self.calls, self.warmup)  # capture at the next call
+
+    # --- hyperparameters --------------------------------------------------------------------
+
+    def _check_hyperparameters(self) -> None:
+        now = [_hyperparameters(g) for g in self.optimizer.param_groups]
+        if not self.fixed:
+            self.fixed = now
+            return
+        for i, (before, after) in enumerate(zip(self.fixed, now, strict=False)):
+            for key in before.keys() | after.keys():
+                old, new = before.get(key), after.get(key)
+                same = old is new if isinstance(old, torch.Tensor) else _equal(old, new)
+                if not same:
+                    raise ZrsError(_changed(i, key, old, new))
+        if len(self.fixed) != len(now):
+            raise ZrsError(
+                "zrs.GraphedStep: the optimizer's param groups changed after the warmup "
+                f"({len(self.fixed)} then {len(now)}); build a new GraphedStep after "
+                "add_param_group"
+            )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _equal(a: object, b: object) -> bool:
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    return type(a) is type(b) and a == b
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """What a captured step bakes in: numbers by value, tensors by identity."""
+    out: dict[str, Any] = {}
+    for key, value in group.items():
+        if key == "params":
+            continue
+        if isinstance(value, torch.Tensor):
+            out[key] = value  # compared by identity: the graph reads this tensor
+        elif isinstance(value, numbers.Number | tuple):
+            out[key] = value
+    return out
+
+
+def _changed(group: int, key: str, before: object, after: object) -> str:
+    if isinstance(before, torch.Tensor):
+        how = "was replaced by another object; update the tensor in place (fill_) instead"
+    else:
+        how = (
+            f"changed from {before!r} to {after!r}, but the captured step keeps the value it was "
+            f"captured with. Hold it as a tensor (e.g. {key}=torch.tensor({before!r})); "
+            "schedulers update a tensor in place, which the graph reads"
+        )
+    return f"zrs.GraphedStep: param group {group}'s {key!r} {how}"

@@ -111,7 +111,11 @@ def dir_GiB(path: Path) -> float:
 
 def measure(system: str, ctx: step.Ctx) -> dict:
     args, device, rank = ctx.args, ctx.device, ctx.rank
-    built = step.build_zrs(ctx) if system == "zrs" else step.build_fsdp2(ctx, compiled=False)
+    built = (
+        step.build_zrs(ctx, compiled=True)
+        if system == "zrs"
+        else step.build_fsdp2(ctx, compiled=False)
+    )
     model, opt = built.keep[0], built.keep[1]
     loss = built.step(*step.Data(ctx, n=1)(0))  # one step: AdamW's moments exist
     step.sync(device)

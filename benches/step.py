@@ -109,6 +109,7 @@ from trace_summary import load, summarize
 
 ALL_SYSTEMS = (
     "zrs",
+    "zrs_graphed",
     "zrs_eager",
     "fsdp2_eager",
     "fsdp2_compile",
@@ -429,23 +430,26 @@ def make_spec(args: argparse.Namespace) -> ModelSpec:
     return hf_spec(args) if args.preset in HF_PRESETS else llama_spec(args)
 
 
-def adamw(params, ctx: Ctx) -> torch.optim.Optimizer:
+def adamw(params, ctx: Ctx, fused: bool | None = None) -> torch.optim.Optimizer:
+    """Fused on CUDA (and wherever `fused` asks for it: zrs.GraphedStep needs it)."""
     return torch.optim.AdamW(
         params,
         lr=ctx.args.lr,
         betas=(0.9, 0.95),
         weight_decay=0.1,
-        fused=ctx.device.type == "cuda",
+        fused=ctx.device.type == "cuda" if fused is None else fused,
     )
 
 
-def plain_step(model, opt, spec: ModelSpec) -> Callable:
+def plain_step(model, opt, spec: ModelSpec, stepper=None) -> Callable:
+    """Forward, backward, `stepper()` (default: opt.step) and zero_grad."""
     loss_of = spec.loss
+    optimizer_step = opt.step if stepper is None else stepper
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = loss_of(model, x, y)
         loss.backward()
-        opt.step()
+        optimizer_step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
@@ -523,9 +527,10 @@ def compile_phases(least_s: float = 0.5) -> dict[str, float]:
     }
 
 
-def build_zrs(ctx: Ctx, compiled: bool) -> Built:
+def build_zrs(ctx: Ctx, compiled: bool, graphed: bool = False) -> Built:
     """zrs.compile (the --zrs-* options are its), or zrs.shard: the same sharding, trained
-    eagerly by module hooks."""
+    eagerly by module hooks. `graphed`: the optimizer step replayed as a CUDA graph
+    (zrs.GraphedStep, without clipping or the non-finite check, as the other systems step)."""
     import zrs
 
     spec = ctx.spec
@@ -548,9 +553,10 @@ def build_zrs(ctx: Ctx, compiled: bool) -> Built:
         )
     else:
         model = zrs.shard(model, **common)
-    opt = adamw(model.parameters(), ctx)
+    opt = adamw(model.parameters(), ctx, fused=True if graphed else None)
+    stepper = zrs.GraphedStep(opt, check_finite=False) if graphed else None
     return Built(
-        plain_step(model, opt, spec),
+        plain_step(model, opt, spec, stepper),
         ctx.world,
         ctx.args.reduce_dtype,
         (model, opt),
@@ -674,6 +680,7 @@ def build_deepspeed(ctx: Ctx, deepcompile: bool) -> Built:
 
 BUILDERS: dict[str, Callable[[Ctx], Built]] = {
     "zrs": lambda ctx: build_zrs(ctx, compiled=True),
+    "zrs_graphed": lambda ctx: build_zrs(ctx, compiled=True, graphed=True),
     "zrs_eager": lambda ctx: build_zrs(ctx, compiled=False),
     "fsdp2_eager": lambda ctx: build_fsdp2(ctx, compiled=False),
     "fsdp2_compile": lambda ctx: build_fsdp2(ctx, compiled=True),
@@ -815,7 +822,7 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
     if args.varlen:
         record.update(varlen_metrics(data, built.world, warmup, step_s))
         record["timed_compiles"] = int(timed_graphs)
-    if system == "zrs":
+    if system in ("zrs", "zrs_graphed"):
         record["zrs_backend"] = args.zrs_backend
         record["zrs_scheduler"] = args.zrs_scheduler
         record["zrs_regions"] = not args.zrs_no_regions

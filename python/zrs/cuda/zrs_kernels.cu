@@ -339,7 +339,7 @@ class TableCache {
     auto found = index_.find(key);
     if (found != index_.end()) {
       lru_.splice(lru_.begin(), lru_, found->second);  // most recently used first
-      Entry& e = *found->second;
+      Entry& e = **found->second;
       if (!e.device.has_value() || *e.device != device) return nullptr;  // another GPU: no reuse
       if (capturing) {
         e.keep = true;

@@ -68,6 +68,10 @@ def _train(model_name: str, dtype: str, kind: str, graphs: bool, rank: int) -> d
 
 def run_all(rank: int, world: int) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
+    # Bit for bit needs the forward and backward to be, too: the embedding's backward otherwise
+    # sums with atomics, in an order that changes from run to run (seen: gpt_tied, fp32 AdamW).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
     out = {}
     for model, dtype, kind in CONFIGS:
         for graphs in (False, True):

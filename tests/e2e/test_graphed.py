@@ -15,10 +15,12 @@ from torch import nn
 
 import zrs
 from _dist import cached_run, reemit_warnings
-from zoo import ZOO, Case, case_outcome, compare_params, run_cases, train_reference
+from zoo import Case, case_outcome, compare_params, run_cases, spec_of, train_reference
 
 MAX_NORM = 0.05  # below the zoo's gradient norms: every step clips
-MODELS = ("gpt_tied", "frozen", "scalar_param", "bias_stack")
+# Biases, tied, frozen and 0-d parameters, and a Hugging Face Llama on batches whose length
+# changes every step.
+MODELS = ("gpt_tied", "frozen", "scalar_param", "bias_stack", "hf_llama_varlen")
 STEPS = 4  # two warmup steps, then the steps a GPU would replay
 
 
@@ -133,6 +135,50 @@ def test_gradients_accumulated_over_micro_batches_match() -> None:
         torch.testing.assert_close(full[name], p.detach(), rtol=1e-6, atol=1e-7, msg=name)
 
 
+class FailsInBackward(Net):
+    """Net whose backward raises, when asked to, once the head's gradients are in a bucket."""
+
+    fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.layers[0](x))
+        if self.fail:
+            x.register_hook(self._raise)
+        return self.head(torch.tanh(self.layers[1](x)))
+
+    @staticmethod
+    def _raise(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("backward failed")
+
+
+def test_a_backward_that_raises_leaves_no_region_held(caplog) -> None:
+    torch.manual_seed(0)
+    plain = FailsInBackward()
+    model = zrs.shard(copy.deepcopy(plain))
+    opt_p, opt_m = _optimizer(plain.parameters(), "sgd"), _optimizer(model.parameters(), "sgd")
+    step = zrs.GraphedStep(opt_m)
+    store = model._zrs_state.grad_store
+    for i in range(6):
+        for m, o in ((plain, opt_p), (model, opt_m)):
+            o.zero_grad()
+            m.fail = i == 2
+            if m.fail:
+                with pytest.raises(RuntimeError, match="backward failed"):
+                    _backward(m, i)
+            else:
+                _backward(m, i)
+        if i == 2:
+            assert any(r.busy for r in store.regions.values())  # the dropped bucket's
+            continue
+        opt_p.step()
+        step()
+        assert not any(r.busy for r in store.regions.values()), i
+    assert "stopped part-way" in caplog.text  # the next forward recovered
+    full = zrs.full_state_dict(model)
+    for name, p in plain.named_parameters():
+        assert torch.equal(full[name], p.detach()), name
+
+
 def test_a_float_learning_rate_that_a_scheduler_changes_raises() -> None:
     model = zrs.shard(Net())
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
@@ -203,7 +249,7 @@ def _cases() -> list[Case]:
 
 @functools.cache
 def _reference(model: str, world: int, max_norm: float | None):
-    return train_reference(ZOO[model], world, steps=STEPS, max_norm=max_norm)
+    return train_reference(spec_of(model), world, steps=STEPS, max_norm=max_norm)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

@@ -13,8 +13,8 @@
 // The schemas live in python/zrs/ops.py. All three ops reduce to one job: a list of segments,
 // each "read n_src elements of some dtype at src, write n_dst >= n_src elements at dst (zeros
 // past n_src), times a scale". One kernel launch copies every segment of an op: the host builds
-// the segment table, passes it inline as a kernel parameter when it is small (no extra copy), or
-// as a device buffer copied from pinned memory on the current stream otherwise. Each block takes
+// the segment table and passes it inline as a kernel parameter when it is small; a larger table
+// is kept on the device (`TableCache`), copied there once rather than per call. Each block takes
 // one 16 KiB (of source) tile of one segment (binary search over the table). Segments whose src and
 // dst are 16-byte aligned move 16 bytes per load and store; others take a coalesced scalar path.
 // Everything runs on the current CUDA stream, with no host synchronisation.
@@ -37,7 +37,6 @@
 #include <list>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -320,6 +319,14 @@ struct Plan {
   }
 };
 
+// A copy of `bytes` on `device`, made from pinned memory on the current stream (no host sync);
+// `host` is the pinned buffer, which a graph that captured the copy reads again at each replay.
+at::Tensor to_device(const void* data, int64_t bytes, const at::Device& device, at::Tensor& host) {
+  host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  std::memcpy(host.data_ptr(), data, bytes);
+  return host.to(at::TensorOptions().device(device).dtype(at::kByte), /*non_blocking=*/true);
+}
+
 // Segment tables too large to pass inline, resident on the device: keyed by their bytes (the
 // buffers' addresses included), so a table that repeats from step to step, as a plan's do, is
 // copied host-to-device once. A copy is stream-ordered on the stream that made it; another stream
@@ -340,7 +347,7 @@ class TableCache {
     if (found != index_.end()) {
       lru_.splice(lru_.begin(), lru_, found->second);  // most recently used first
       Entry& e = **found->second;
-      if (!e.device.has_value() || *e.device != device) return nullptr;  // another GPU: no reuse
+      if (e.dev.device() != device) return nullptr;  // another GPU's table: no reuse
       if (capturing) {
         e.keep = true;
       } else if (stream != e.made_on && e.waited.insert(stream).second) {
@@ -355,11 +362,7 @@ class TableCache {
                 "step once uncaptured first (its segment tables are then on the device)");
     auto e = std::make_unique<Entry>();
     e->bytes.assign(key.begin(), key.end());
-    e->host = at::empty({int64_t(key.size())},
-                        at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-    std::memcpy(e->host.data_ptr(), key.data(), key.size());
-    e->dev = e->host.to(at::TensorOptions().device(device).dtype(at::kByte), /*non_blocking=*/true);
-    e->device = device;
+    e->dev = to_device(key.data(), int64_t(key.size()), device, e->host);
     e->made_on = stream;
     e->ready.record(c10::cuda::getStreamFromExternal(stream, device.index()));
     lru_.push_front(std::move(e));
@@ -372,7 +375,6 @@ class TableCache {
   struct Entry {
     std::string bytes;  // the table, the key
     at::Tensor host, dev;
-    std::optional<at::Device> device;
     cudaStream_t made_on = nullptr;
     at::cuda::CUDAEvent ready;  // the host-to-device copy is done
     std::unordered_set<cudaStream_t> waited;
@@ -414,11 +416,8 @@ void launch(const Plan& plan, at::ScalarType dst_type, double scale, const at::D
   } else {
     table = table_cache().get(plan.segs, device, stream);
     if (table == nullptr) {
-      const int64_t bytes = int64_t(nseg) * int64_t(sizeof(Seg));
-      at::Tensor host =
-          at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-      std::memcpy(host.data_ptr(), plan.segs.data(), bytes);
-      table_dev = host.to(at::TensorOptions().device(device).dtype(at::kByte), true);
+      at::Tensor host;
+      table_dev = to_device(plan.segs.data(), int64_t(nseg) * int64_t(sizeof(Seg)), device, host);
       table = static_cast<const Seg*>(table_dev.data_ptr());
     }
   }

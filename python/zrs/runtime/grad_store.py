@@ -72,6 +72,3 @@ class GradStore:
         """The step stopped part-way: its buckets are dropped unfinished."""
         for region in self.regions.values():
             region.busy = False
-
-    def nbytes(self) -> int:
-        return sum(r.buf.numel() * r.buf.element_size() for r in self.regions.values())

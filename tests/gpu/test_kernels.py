@@ -172,3 +172,37 @@ def test_opcheck_cuda():
     grads = [_randn(6, torch.float32, 3).view(3, 2), _randn(5, torch.bfloat16, 4)]
     bucket = torch.empty(2, 7, dtype=torch.bfloat16, device="cuda")
     torch.library.opcheck(torch.ops.zrs.pack_grads.default, (grads, 2, [4, 3], 0.5, bucket))
+
+
+def test_a_repeated_table_is_reused_across_streams_and_graphs():
+    """A table over 80 segments is kept on the device (zrs_kernels.cu, TableCache): the same
+    addresses with new values, from another stream and replayed from a CUDA graph, copy the new
+    values; a table first seen under capture raises."""
+    shards = [_randn(500 + i, torch.float32, i) for i in range(90)]
+    out = torch.empty(sum(s.numel() for s in shards), dtype=torch.bfloat16, device="cuda")
+    torch.ops.zrs.pack_cast(shards, out)
+    _same(out, torch.cat(shards).to(torch.bfloat16))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for s in shards:
+            s.mul_(2)
+        torch.ops.zrs.pack_cast(shards, out)  # the cached table, first use on this stream
+    torch.cuda.current_stream().wait_stream(side)
+    _same(out, torch.cat(shards).to(torch.bfloat16))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.ops.zrs.pack_cast(shards, out)
+    for s in shards:
+        s.add_(1)
+    graph.replay()
+    _same(out, torch.cat(shards).to(torch.bfloat16))
+    fresh = [_randn(7, torch.float32, i) for i in range(90)]
+    out2 = torch.empty(sum(s.numel() for s in fresh), dtype=torch.bfloat16, device="cuda")
+    with warnings.catch_warnings():  # the refused copy leaves the graph empty, which torch notes
+        warnings.simplefilter("ignore", UserWarning)
+        with (
+            pytest.raises(RuntimeError, match="run the step once uncaptured"),
+            torch.cuda.graph(torch.cuda.CUDAGraph()),
+        ):
+            torch.ops.zrs.pack_cast(fresh, out2)

@@ -110,6 +110,7 @@ from trace_summary import load, summarize
 ALL_SYSTEMS = (
     "zrs",
     "zrs_graphed",
+    "zrs_captured",
     "zrs_eager",
     "fsdp2_eager",
     "fsdp2_compile",
@@ -527,10 +528,11 @@ def compile_phases(least_s: float = 0.5) -> dict[str, float]:
     }
 
 
-def build_zrs(ctx: Ctx, compiled: bool, graphed: bool = False) -> Built:
+def build_zrs(ctx: Ctx, compiled: bool, graphed: bool = False, captured: bool = False) -> Built:
     """zrs.compile (the --zrs-* options are its), or zrs.shard: the same sharding, trained
     eagerly by module hooks. `graphed`: the optimizer step replayed as a CUDA graph
-    (zrs.GraphedStep, without clipping or the non-finite check, as the other systems step)."""
+    (zrs.GraphedStep, without clipping or the non-finite check, as the other systems step).
+    `captured`: also the forward and backward, the whole step one graph (zrs.CapturedStep)."""
     import zrs
 
     spec = ctx.spec
@@ -553,10 +555,12 @@ def build_zrs(ctx: Ctx, compiled: bool, graphed: bool = False) -> Built:
         )
     else:
         model = zrs.shard(model, **common)
+    graphed = graphed or captured
     opt = adamw(model.parameters(), ctx, fused=True if graphed else None)
     stepper = zrs.GraphedStep(opt, check_finite=False) if graphed else None
+    step = plain_step(model, opt, spec, stepper)
     return Built(
-        plain_step(model, opt, spec, stepper),
+        zrs.CapturedStep(step) if captured else step,
         ctx.world,
         ctx.args.reduce_dtype,
         (model, opt),
@@ -681,6 +685,7 @@ def build_deepspeed(ctx: Ctx, deepcompile: bool) -> Built:
 BUILDERS: dict[str, Callable[[Ctx], Built]] = {
     "zrs": lambda ctx: build_zrs(ctx, compiled=True),
     "zrs_graphed": lambda ctx: build_zrs(ctx, compiled=True, graphed=True),
+    "zrs_captured": lambda ctx: build_zrs(ctx, compiled=True, captured=True),
     "zrs_eager": lambda ctx: build_zrs(ctx, compiled=False),
     "fsdp2_eager": lambda ctx: build_fsdp2(ctx, compiled=False),
     "fsdp2_compile": lambda ctx: build_fsdp2(ctx, compiled=True),
@@ -822,7 +827,7 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
     if args.varlen:
         record.update(varlen_metrics(data, built.world, warmup, step_s))
         record["timed_compiles"] = int(timed_graphs)
-    if system in ("zrs", "zrs_graphed"):
+    if system in ("zrs", "zrs_graphed", "zrs_captured"):
         record["zrs_backend"] = args.zrs_backend
         record["zrs_scheduler"] = args.zrs_scheduler
         record["zrs_regions"] = not args.zrs_no_regions

@@ -16,6 +16,7 @@ from torch import nn
 
 from zrs import options, units, wrap
 from zrs._core import BudgetInfeasibleError, ZrsError
+from zrs.captured import CapturedStep
 from zrs.graphed import GraphedStep
 from zrs.runtime import ops as _ops  # noqa: F401  (registers the torch.ops.zrs namespace)
 from zrs.sharding import InitFn
@@ -23,6 +24,7 @@ from zrs.state_dict import full_state_dict
 
 __all__ = [
     "BudgetInfeasibleError",
+    "CapturedStep",
     "GraphedStep",
     "ZrsError",
     "checkpoint",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import numbers
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -132,7 +132,7 @@ class GraphedStep:
         self.recaptures = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.captured: list[tuple[torch.Tensor, int]] = []  # (param, its grad's address)
-        self.fixed: list[dict[str, Any]] = []  # each group's hyperparameters after the warmup
+        self.fixed: Hyperparameters | None = None  # taken after the warmup
         # Reduced gradients at fixed addresses for every zrs model this optimizer trains.
         ids = {id(p) for p in params}
         for state in LIVE.models():
@@ -148,11 +148,17 @@ class GraphedStep:
     def __call__(self) -> torch.Tensor:
         """One optimizer step; returns the global gradient norm (before clipping), a tensor that
         the next call overwrites (clone it to keep it)."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # Inside zrs.CapturedStep: the step's graph records these operations.
+            self._run_capturable()
+            return self.norm
         self.calls += 1
         if self.calls <= self.warmup:
             self._run()
             return self.norm
-        self._check_hyperparameters()
+        if self.fixed is None:
+            self.fixed = Hyperparameters(self.optimizer, "zrs.GraphedStep")
+        self.fixed.check()
         if not self.graphs:
             self._run()
             return self.norm
@@ -194,6 +200,21 @@ class GraphedStep:
         finally:
             del self.optimizer.found_inf
 
+    def _run_capturable(self) -> None:
+        """`_run` under capture. The fused kernels ignore `capturable`; torch's capture check
+        reads it."""
+        groups = self.optimizer.param_groups
+        saved = [g.get("capturable") for g in groups]
+        try:
+            for g in groups:
+                if "capturable" in g:
+                    g["capturable"] = True
+            self._run()
+        finally:
+            for g, flag in zip(groups, saved, strict=True):
+                if flag is not None:
+                    g["capturable"] = flag
+
     def _capture(self) -> None:
         if self.graph is not None:
             self.recaptures += 1
@@ -210,21 +231,10 @@ class GraphedStep:
                 self._run()
                 return
             _log.info("zrs.GraphedStep: capturing again (gradients or optimizer state moved)")
-        groups = self.optimizer.param_groups
-        saved = [g.get("capturable") for g in groups]
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
-        try:
-            # The fused kernels ignore `capturable`; torch's capture check reads it.
-            for g in groups:
-                if "capturable" in g:
-                    g["capturable"] = True
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self._run()
-        finally:
-            for g, flag in zip(groups, saved, strict=True):
-                if flag is not None:
-                    g["capturable"] = flag
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self._run_capturable()
         self.graph = graph
         self.captured = [
             (p, _local(p.grad).data_ptr()) for p in self._params() if p.grad is not None
@@ -232,21 +242,8 @@ class GraphedStep:
         graph.replay()  # capture only recorded the step: run it
 
     def _replay(self) -> None:
-        opt = self.optimizer
-        hooks = (*_global_optimizer_pre_hooks.values(), *opt._optimizer_step_pre_hooks.values())
-        for hook in hooks:
-            if hook(opt, (), {}) is not None:
-                raise ZrsError(
-                    "zrs.GraphedStep: an optimizer step pre-hook returned new arguments, which a "
-                    "captured step cannot take"
-                )
         assert self.graph is not None
-        self.graph.replay()
-        for hook in (
-            *opt._optimizer_step_post_hooks.values(),
-            *_global_optimizer_post_hooks.values(),
-        ):
-            hook(opt, (), {})
+        replay_with_hooks([self.optimizer], self.graph.replay, "zrs.GraphedStep")
 
     def _still_captured(self) -> bool:
         """Every gradient is where the graph reads it, and no other parameter has one."""
@@ -264,23 +261,52 @@ class GraphedStep:
             self.graph = None
             self.calls = min(self.calls, self.warmup)  # capture at the next call
 
-    # --- hyperparameters --------------------------------------------------------------------
 
-    def _check_hyperparameters(self) -> None:
+def replay_with_hooks(
+    optimizers: list[torch.optim.Optimizer], replay: Callable[[], None], who: str
+) -> None:
+    """`replay` a graph that holds these optimizers' steps, with their step hooks (global and
+    their own) run around it, as `optimizer.step()` runs them: zrs's own count the step."""
+    for opt in optimizers:
+        for hook in (
+            *_global_optimizer_pre_hooks.values(),
+            *opt._optimizer_step_pre_hooks.values(),
+        ):
+            if hook(opt, (), {}) is not None:
+                raise ZrsError(
+                    f"{who}: an optimizer step pre-hook returned new arguments, which a captured "
+                    "step cannot take"
+                )
+    replay()
+    for opt in optimizers:
+        for hook in (
+            *opt._optimizer_step_post_hooks.values(),
+            *_global_optimizer_post_hooks.values(),
+        ):
+            hook(opt, (), {})
+
+
+class Hyperparameters:
+    """An optimizer's hyperparameters as a captured step baked them in: Python numbers by value,
+    tensors by identity (the graph reads the tensor). `check` raises ZrsError when one changed."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, who: str) -> None:
+        self.optimizer = optimizer
+        self.who = who
+        self.fixed = [_hyperparameters(g) for g in optimizer.param_groups]
+
+    def check(self) -> None:
         now = [_hyperparameters(g) for g in self.optimizer.param_groups]
-        if not self.fixed:
-            self.fixed = now
-            return
         for i, (before, after) in enumerate(zip(self.fixed, now, strict=False)):
             for key in before.keys() | after.keys():
                 old, new = before.get(key), after.get(key)
                 same = old is new if isinstance(old, torch.Tensor) else _equal(old, new)
                 if not same:
-                    raise ZrsError(_changed(i, key, old, new))
+                    raise ZrsError(f"{self.who}: {_changed(i, key, old, new)}")
         if len(self.fixed) != len(now):
             raise ZrsError(
-                "zrs.GraphedStep: the optimizer's param groups changed after the warmup "
-                f"({len(self.fixed)} then {len(now)}); build a new GraphedStep after "
+                f"{self.who}: the optimizer's param groups changed after the warmup "
+                f"({len(self.fixed)} then {len(now)}); build a new {self.who} after "
                 "add_param_group"
             )
 
@@ -319,4 +345,4 @@ def _changed(group: int, key: str, before: object, after: object) -> str:
             f"captured with. Hold it as a tensor (e.g. {key}=torch.tensor({before!r})); "
             "schedulers update a tensor in place, which the graph reads"
         )
-    return f"zrs.GraphedStep: param group {group}'s {key!r} {how}"
+    return f"param group {group}'s {key!r} {how}"

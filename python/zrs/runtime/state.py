@@ -234,6 +234,18 @@ class ZeroState:
             return
         self._disagree(everyone)
 
+    def replayed(self, forwards: int, backwards: int) -> None:
+        """A captured step (`zrs.CapturedStep`, one rank) that ran `forwards` forward calls and
+        `backwards` backwards of this model is about to be replayed: the device alone runs them,
+        so count them here, as the ops did while it was captured."""
+        self.check_usable()
+        if self.step.busy():
+            self.recover(
+                "the previous step stopped part-way (an exception in its forward or backward)"
+            )
+        self.forwards += forwards
+        self.backwards += backwards
+
     def _disagree(self, everyone: list[list[int]]) -> None:
         differ = [n for c, n in enumerate(STEP_COUNTERS) if len({row[c] for row in everyone}) > 1]
         table = "; ".join(

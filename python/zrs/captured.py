@@ -1,0 +1,297 @@
+"""`zrs.CapturedStep`: a whole training step (forward, backward with its gathers and reductions,
+clipping, the optimizer) captured as one CUDA graph and replayed (docs/cuda-graphs.md).
+
+The zrs ops do their bookkeeping on the host (the registry's holds, the buffers, the gradient
+buckets) while they issue the device work. A step leaves that bookkeeping as it found it: every
+gather is released and every bucket reduced by the end of the backward. So the device work of one
+step, recorded once, is the device work of every step of the same shapes, and a replay needs only
+the counts the ops would have made on the host (`ZeroState.replayed`). The memory a step
+allocates comes from one private pool that the graphs of all shapes share: the allocator's
+addresses during capture are the pool's layout, fixed from then on.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+import weakref
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from zrs._core import ZrsError
+from zrs.graphed import MAX_RECAPTURES, Hyperparameters, _local, replay_with_hooks
+from zrs.runtime.grad_store import GradStore
+from zrs.runtime.handles import LIVE
+from zrs.runtime.state import ZeroState
+
+_log = logging.getLogger("zrs")
+
+WHO = "zrs.CapturedStep"
+
+
+@dataclass(eq=False)
+class Graph:
+    """One input signature's step: its graph, static inputs and outputs, and what a replay
+    repeats on the host."""
+
+    graph: torch.cuda.CUDAGraph
+    inputs: list[Any]  # the static input tensors (and the constants) in flattened order
+    outputs: list[Any]
+    out_spec: Any
+    counts: list[tuple[weakref.ref[ZeroState], int, int]]  # model, forwards, backwards
+    optimizers: list[Hyperparameters]  # the optimizers it steps, as captured
+    addresses: list[int]  # what the graph reads and writes in place: shards, optimizer state
+    keep: list[torch.Tensor]  # gradient regions the graph writes, kept alive with it
+
+
+@dataclass(eq=False)
+class Signature:
+    calls: int = 0
+    captures: int = 0
+    graph: Graph | None = None
+    eager: bool = False  # run without a graph from now on (too many graphs or recaptures)
+
+
+@dataclass(eq=False)
+class _Stepped:
+    """The optimizers stepped during a capture, in order."""
+
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+
+    def __call__(self, opt: torch.optim.Optimizer, *_: object) -> None:
+        if all(o is not opt for o in self.optimizers):
+            self.optimizers.append(opt)
+
+
+class CapturedStep:
+    """Run `step_fn` as one CUDA graph per input signature: warm up, capture, replay.
+
+    ```python
+    clip = zrs.GraphedStep(opt, max_norm=1.0)   # clip, check and step without a host sync
+    def train_step(x, y):
+        loss = model(x, y)
+        loss.backward()
+        clip()
+        opt.zero_grad()
+        return loss.detach()
+    train_step = zrs.CapturedStep(train_step)
+    for x, y in data:
+        loss = train_step(x.cuda(), y.cuda())
+    ```
+
+    Each distinct signature of the arguments (the tensors' shapes, dtypes, strides and devices,
+    and the values of the other arguments) runs `warmup` times eagerly, is captured at the next
+    call and replayed after that: the arguments are copied into the graph's static inputs and
+    the outputs come back as fresh tensors (copies of the graph's, so that the next step does
+    not overwrite them). At most `max_graphs` signatures are captured; other ones run eagerly,
+    with a warning. On the CPU, or with `cuda_graphs=False`, every call runs `step_fn` eagerly.
+
+    What a graph needs, and the error or behaviour otherwise:
+    - No host synchronisation inside the step (`.item()`, `bool(tensor)`, printing a tensor,
+      `torch.cuda.synchronize`, a copy from pageable host memory): the capture fails and
+      `ZrsError` says so. Clip and skip non-finite steps with `zrs.GraphedStep`; an optimizer
+      stepped directly needs `capturable=True` (torch checks it).
+    - The optimizers' hyperparameters held as Python numbers are baked in: changing one raises
+      ZrsError (hold it as a tensor). Their step hooks run around each replay.
+    - The parameters, the optimizer state and the gradients must stay where they were captured:
+      if a parameter's shard or an optimizer state tensor moved (`optimizer.load_state_dict`),
+      the signature is captured again; after MAX_RECAPTURES it runs eagerly, with a warning.
+    - One rank only, for now: at several ranks the step raises ZrsError (captured collectives
+      are outside the NCCL watchdog's timeout, and no multi-GPU machine has verified them yet).
+    """
+
+    def __init__(
+        self,
+        step_fn: Callable[..., Any],
+        *,
+        warmup: int = 2,
+        max_graphs: int = 8,
+        cuda_graphs: bool | None = None,
+    ) -> None:
+        if not callable(step_fn):
+            raise ZrsError(f"{WHO} takes the training step as a function, not {step_fn!r}")
+        for name, value, least in (("warmup", warmup, 1), ("max_graphs", max_graphs, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ZrsError(f"{WHO}: {name} must be an int >= {least}, not {value!r}")
+        self.step_fn = step_fn
+        self.warmup = warmup
+        self.max_graphs = max_graphs
+        self.graphs = torch.cuda.is_available() if cuda_graphs is None else cuda_graphs
+        if self.graphs and not torch.cuda.is_available():
+            raise ZrsError(f"{WHO}: cuda_graphs=True needs CUDA, which this process does not have")
+        self.signatures: dict[Hashable, Signature] = {}
+        self.pool: tuple[int, int] | None = None  # the graphs' shared memory pool
+        self.warned = False
+        # Optimizers whose load_state_dict drops the graphs (their state tensors are new).
+        self.hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+    @property
+    def captured(self) -> int:
+        """How many signatures have a graph now."""
+        return sum(s.graph is not None for s in self.signatures.values())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        flat, spec = tree_flatten((args, kwargs))
+        key = (spec, tuple(_signature(v) for v in flat))
+        sig = self.signatures.get(key)
+        if sig is None:
+            sig = self.signatures[key] = Signature()
+        sig.calls += 1
+        if not self.graphs or sig.eager or sig.calls <= self.warmup:
+            return self.step_fn(*args, **kwargs)
+        if sig.graph is not None and sig.graph.addresses != _addresses(sig.graph):
+            sig.graph = None  # something the graph writes in place moved
+            _log.info("%s: capturing again (parameters or optimizer state moved)", WHO)
+        if sig.graph is None:
+            if self._give_up(sig):
+                return self.step_fn(*args, **kwargs)
+            return self._capture(sig, flat, spec)
+        return self._replay(sig.graph, flat)
+
+    def _give_up(self, sig: Signature) -> bool:
+        """Run `sig` eagerly from now on: too many graphs, or it keeps moving."""
+        if sig.captures > MAX_RECAPTURES:
+            why = f"its parameters or optimizer state moved {sig.captures} times"
+        elif sig.captures == 0 and self.captured >= self.max_graphs:
+            why = f"{self.max_graphs} signatures are captured already (max_graphs)"
+        else:
+            return False
+        sig.eager = True
+        if not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"{WHO}: a step runs without a CUDA graph: {why}. Pad the batches to a few "
+                "shapes, or raise max_graphs",
+                stacklevel=3,
+            )
+        return True
+
+    # --- capture and replay ------------------------------------------------------------------
+
+    def _capture(self, sig: Signature, flat: list[Any], spec: Any) -> Any:
+        several = [s for s in LIVE.models() if s.world_size > 1]
+        if several:
+            raise ZrsError(
+                f"{WHO} captures one rank's step only (this model runs on {several[0].world_size} "
+                "ranks): collectives replayed from a graph are outside the NCCL watchdog's "
+                "timeout, and they are not verified on several GPUs yet. Use zrs.GraphedStep, "
+                "which captures the optimizer step alone"
+            )
+        sig.captures += 1
+        inputs = [v.detach().clone() if isinstance(v, torch.Tensor) else v for v in flat]
+        args, kwargs = tree_unflatten(inputs, spec)
+        models = LIVE.models()
+        before = {id(s): (s.forwards, s.backwards) for s in models}
+        for s in models:
+            if s.grad_store is None:  # the gradients at fixed addresses (runtime/grad_store.py)
+                s.grad_store = GradStore()
+        stepped = _Stepped()
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        torch.cuda.synchronize()
+        hook = register_optimizer_step_post_hook(stepped)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                out = self.step_fn(*args, **kwargs)
+        except Exception as exc:
+            sig.eager = True
+            raise ZrsError(
+                f"{WHO}: the step could not be captured as a CUDA graph ({_first_line(exc)}). "
+                "Inside a captured step nothing may wait for the GPU or copy from pageable host "
+                "memory: no .item(), bool(tensor), print(tensor) or torch.cuda.synchronize(); "
+                "pass the batch as CUDA tensors; clip and skip non-finite steps with "
+                "zrs.GraphedStep, and step other optimizers with capturable=True. This "
+                "signature runs eagerly from now on"
+            ) from exc
+        finally:
+            hook.remove()
+        outputs, out_spec = tree_flatten(out)
+        entry = Graph(
+            graph=graph,
+            inputs=inputs,
+            outputs=outputs,
+            out_spec=out_spec,
+            counts=[
+                (weakref.ref(s), s.forwards - before[id(s)][0], s.backwards - before[id(s)][1])
+                for s in models
+                if (s.forwards, s.backwards) != before[id(s)]
+            ],
+            optimizers=[Hyperparameters(o, WHO) for o in stepped.optimizers],
+            addresses=[],
+            keep=[r.buf for s in models if s.grad_store for r in s.grad_store.regions.values()],
+        )
+        entry.addresses = _addresses(entry)
+        for fixed in entry.optimizers:
+            if fixed.optimizer not in self.hooked:
+                self.hooked.add(fixed.optimizer)
+                fixed.optimizer.register_load_state_dict_post_hook(lambda _opt: self._forget())
+        sig.graph = entry
+        graph.replay()  # capture only recorded the step: run it
+        return _fresh(entry)
+
+    def _replay(self, entry: Graph, flat: list[Any]) -> Any:
+        for static, value in zip(entry.inputs, flat, strict=True):
+            if isinstance(static, torch.Tensor):
+                static.copy_(value, non_blocking=True)
+        for fixed in entry.optimizers:
+            fixed.check()
+        for ref, forwards, backwards in entry.counts:
+            state = ref()
+            if state is None:
+                raise ZrsError(f"{WHO}: a model this step was captured with was dropped")
+            state.replayed(forwards, backwards)
+        replay_with_hooks([f.optimizer for f in entry.optimizers], entry.graph.replay, WHO)
+        return _fresh(entry)
+
+    def _forget(self) -> None:
+        """An optimizer loaded a state dict: its state tensors are new, so capture again."""
+        for sig in self.signatures.values():
+            sig.graph = None
+
+
+def _signature(value: Any) -> Hashable:
+    if isinstance(value, torch.Tensor):
+        return (value.device, value.dtype, tuple(value.shape), value.stride())
+    try:
+        hash(value)
+    except TypeError:
+        raise ZrsError(
+            f"{WHO}: an argument of type {type(value).__name__} is neither a tensor nor hashable; "
+            "a captured step takes tensors (copied into the graph's inputs) and constants"
+        ) from None
+    return (type(value), value)
+
+
+def _addresses(entry: Graph) -> list[int]:
+    """Where the graph's step reads and writes in place: every captured model's shards and each
+    stepped optimizer's state tensors."""
+    out = []
+    for ref, _, _ in entry.counts:
+        state = ref()
+        if state is not None:
+            out.extend(h.shard.data_ptr() for h in state.handles)
+    for opt in (f.optimizer for f in entry.optimizers):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                out.append(_local(p).data_ptr())
+                for v in opt.state.get(p, {}).values():
+                    if isinstance(v, torch.Tensor):
+                        out.append(_local(v).data_ptr())
+    return out
+
+
+def _fresh(entry: Graph) -> Any:
+    """The step's outputs, copied out of the graph's static ones."""
+    outs = [o.clone() if isinstance(o, torch.Tensor) else o for o in entry.outputs]
+    return tree_unflatten(outs, entry.out_spec)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,181 @@
+"""zrs.CapturedStep on a GPU: the whole step (forward, backward, clip, optimizer) replayed from a
+CUDA graph gives bit-identical parameters, losses and norms to the same step run eagerly: fp32
+and bf16, SGD-momentum and AdamW, clipped, through a non-finite step, and a Hugging Face Llama
+on two sequence lengths (one graph each). What cannot be captured raises ZrsError.
+
+Marked `gpu` (tests/conftest.py): run with `ZRS_GPU_WORLD=1` on one GPU, NCCL process groups.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from _dist import cached_run
+from zoo import spec_of
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning"),
+]
+
+STEPS, POISONED = 8, 5  # warmup 2, capture at 3, replays after; step 5's loss is NaN
+CONFIGS = [
+    (model, dtype, kind)
+    for model in ("gpt_tied", "bias_stack")
+    for dtype in ("fp32", "bf16")
+    for kind in ("sgd", "adamw")
+] + [("hf_llama", "bf16", "adamw")]
+
+
+def _batch(model_name: str, rank: int, step: int, device: torch.device) -> tuple:
+    batch = spec_of(model_name).batch(rank, step)
+    if model_name == "hf_llama":  # two lengths, alternating: two signatures, two graphs
+        batch = tuple(t[:, : 8 + 4 * (step % 2)] for t in batch)
+    return tuple(t.to(device) for t in batch)
+
+
+def _setup(model_name: str, dtype: str, kind: str, device: torch.device):
+    import zrs
+
+    spec = spec_of(model_name)
+    model = spec.build().to(device)
+    param_dtype = torch.bfloat16 if dtype == "bf16" else None
+    zrs.compile(model, param_dtype=param_dtype)
+    if kind == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    else:
+        lr = torch.tensor(0.01, device=device)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, fused=True)
+    clip = zrs.GraphedStep(opt, max_norm=0.05)
+
+    def train_step(batch: tuple, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = spec.loss(model, batch) * scale
+        loss.backward()
+        norm = clip()
+        opt.zero_grad()
+        return loss.detach(), norm
+
+    return model, opt, train_step
+
+
+def _train(model_name: str, dtype: str, kind: str, graphs: bool, rank: int) -> dict:
+    import zrs
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    model, opt, train_step = _setup(model_name, dtype, kind, device)
+    sched = (
+        torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if kind == "adamw" else None
+    )
+    step = zrs.CapturedStep(train_step, cuda_graphs=graphs)
+    losses, norms = [], []
+    for i in range(STEPS):
+        scale = torch.tensor(float("nan") if i == POISONED else 1.0, device=device)
+        loss, norm = step(_batch(model_name, rank, i, device), scale)
+        losses.append(loss)
+        norms.append(norm)
+        if sched is not None:
+            sched.step()
+    state = model._zrs_state
+    return {
+        "params": {k: v.detach().cpu().clone() for k, v in zrs.full_state_dict(model).items()},
+        "losses": torch.stack(losses).float().cpu(),
+        "norms": torch.stack(norms).cpu(),
+        "counters": (state.forwards, state.backwards, state.optimizer_steps),
+        "captured": step.captured,
+    }
+
+
+def _cannot_capture(device: torch.device) -> dict[str, str]:
+    """The step's failures: a host sync inside it, and a float learning rate changed after the
+    capture."""
+    import zrs
+
+    out = {}
+    model, opt, train_step = _setup("bias_stack", "fp32", "sgd", device)
+    one = torch.ones((), device=device)
+
+    def syncs(batch: tuple, scale: torch.Tensor) -> torch.Tensor:
+        loss, _ = train_step(batch, scale)
+        if loss.item() > 1e9:  # a host sync: cannot be captured
+            raise AssertionError
+        return loss
+
+    step = zrs.CapturedStep(syncs, warmup=1)
+    step(_batch("bias_stack", 0, 0, device), one)
+    try:
+        step(_batch("bias_stack", 0, 1, device), one)
+    except zrs.ZrsError as exc:
+        out["sync"] = str(exc)
+    step(_batch("bias_stack", 0, 2, device), one)  # that signature now runs eagerly
+
+    step = zrs.CapturedStep(train_step, warmup=1)
+    for i in range(2):
+        step(_batch("bias_stack", 0, i, device), one)
+    opt.param_groups[0]["lr"] = 0.05
+    try:
+        step(_batch("bias_stack", 0, 2, device), one)
+    except zrs.ZrsError as exc:
+        out["lr"] = str(exc)
+    return out
+
+
+def run_all(rank: int, world: int) -> dict:
+    import zrs
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    device = torch.device("cuda", torch.cuda.current_device())
+    if world > 1:
+        model, _, train_step = _setup("bias_stack", "fp32", "sgd", device)
+        step = zrs.CapturedStep(train_step, warmup=1)
+        one = torch.ones((), device=device)
+        step(_batch("bias_stack", rank, 0, device), one)
+        try:
+            step(_batch("bias_stack", rank, 1, device), one)
+        except zrs.ZrsError as exc:
+            return {"refused": str(exc)}
+        return {"refused": None}
+    out: dict = {}
+    for model, dtype, kind in CONFIGS:
+        for graphs in (False, True):
+            out[(model, dtype, kind, graphs)] = _train(model, dtype, kind, graphs, rank)
+    out["errors"] = _cannot_capture(device)
+    return out
+
+
+def _results() -> list[dict]:
+    world = int(os.environ.get("ZRS_GPU_WORLD") or torch.cuda.device_count())
+    return cached_run(("captured_gpu",), run_all, world, backend="nccl")
+
+
+def _one_rank() -> dict:
+    results = _results()
+    if len(results) > 1:
+        assert all("one rank's step only" in (r["refused"] or "") for r in results), results
+        pytest.skip("CapturedStep captures one rank's step; the refusal at several is checked")
+    return results[0]
+
+
+@pytest.mark.parametrize(("model", "dtype", "kind"), CONFIGS)
+def test_captured_step_is_bit_identical(model: str, dtype: str, kind: str) -> None:
+    res = _one_rank()
+    eager, captured = res[(model, dtype, kind, False)], res[(model, dtype, kind, True)]
+    assert eager["captured"] == 0
+    assert captured["captured"] == (2 if model == "hf_llama" else 1)
+    assert eager["counters"] == captured["counters"] == (STEPS, STEPS, STEPS)
+    for what in ("losses", "norms"):
+        same = torch.allclose(eager[what], captured[what], rtol=0, atol=0, equal_nan=True)
+        assert same, (what, eager[what], captured[what])
+    assert eager["norms"][POISONED].isnan()
+    for name, value in eager["params"].items():
+        assert torch.equal(value, captured["params"][name]), name
+
+
+def test_what_cannot_be_captured_raises() -> None:
+    errors = _one_rank()["errors"]
+    assert "could not be captured" in errors["sync"] and ".item()" in errors["sync"]
+    assert "'lr' changed from 0.1 to 0.05" in errors["lr"]

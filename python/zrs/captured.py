@@ -236,9 +236,6 @@ class CapturedStep:
         return _fresh(entry)
 
     def _replay(self, entry: Graph, flat: list[Any]) -> Any:
-        for static, value in zip(entry.inputs, flat, strict=True):
-            if isinstance(static, torch.Tensor):
-                static.copy_(value, non_blocking=True)
         for fixed in entry.optimizers:
             fixed.check()
         for ref, forwards, backwards in entry.counts:
@@ -246,6 +243,10 @@ class CapturedStep:
             if state is None:
                 raise ZrsError(f"{WHO}: a model this step was captured with was dropped")
             state.replayed(forwards, backwards)
+        # The copies last, right before the launch: the host work above is not between them.
+        for static, value in zip(entry.inputs, flat, strict=True):
+            if isinstance(static, torch.Tensor):
+                static.copy_(value, non_blocking=True)
         replay_with_hooks([f.optimizer for f in entry.optimizers], entry.graph.replay, WHO)
         return _fresh(entry)
 

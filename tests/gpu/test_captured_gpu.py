@@ -94,7 +94,7 @@ def _cannot_capture(device: torch.device) -> dict[str, str]:
     import zrs
 
     out = {}
-    model, opt, train_step = _setup("bias_stack", "fp32", "sgd", device)
+    _, opt, train_step = _setup("bias_stack", "fp32", "sgd", device)
     one = torch.ones((), device=device)
 
     def syncs(batch: tuple, scale: torch.Tensor) -> torch.Tensor:

@@ -102,9 +102,14 @@ def test_a_skipped_first_step_leaves_no_momentum_behind() -> None:
         assert torch.equal(full[name], p.detach()), name
 
 
-@pytest.mark.parametrize("set_to_none", [True, False])
-def test_gradients_stay_where_the_step_reads_them(set_to_none: bool) -> None:
-    model = zrs.compile(Net(), backend="eager")
+@pytest.mark.parametrize(
+    ("set_to_none", "reduce_dtype"),
+    [(True, None), (False, None), (True, torch.bfloat16), (False, torch.bfloat16)],
+)
+def test_gradients_stay_where_the_step_reads_them(
+    set_to_none: bool, reduce_dtype: torch.dtype | None
+) -> None:
+    model = zrs.compile(Net(), backend="eager", reduce_dtype=reduce_dtype)
     opt = _optimizer(model.parameters(), "sgd")
     step = zrs.GraphedStep(opt)
     addresses = []

@@ -11,7 +11,8 @@ kept by `zero_grad(set_to_none=False)` do.
 A region is reused only when nothing still holds it: every parameter that took its gradient from
 it last has `.grad` None again. Otherwise (gradient accumulation over micro-batches, or
 `zero_grad(set_to_none=False)`) the bucket reduces into a fresh tensor and is added to the
-`.grad`s, which do not move.
+`.grad`s, which do not move. A reduction in another dtype than the parameters' (`reduce_dtype`)
+is cast into a buffer kept per parameter, for the same reason.
 """
 
 from __future__ import annotations
@@ -40,6 +41,18 @@ class Region:
 class GradStore:
     regions: dict[Key, Region] = field(default_factory=dict)
     owner: dict[int, Key] = field(default_factory=dict)  # ds_id -> the region it took it from
+    # ds_id -> its gradient in the parameter's dtype, when the reduction ran in another one
+    casts: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def cast(self, h: ParamHandle, reduced: torch.Tensor) -> torch.Tensor:
+        """`reduced` (another dtype than the parameter's) cast into a buffer kept for `h`, so
+        that the `.grad` it becomes stays at one address too. Only for a parameter whose `.grad`
+        is None: nothing else reads the buffer then."""
+        dtype = h.param.dtype
+        buf = self.casts.get(h.ds_id)
+        if buf is None or buf.shape != reduced.shape or buf.dtype != dtype:
+            buf = self.casts[h.ds_id] = torch.empty_like(reduced, dtype=dtype)
+        return buf.copy_(reduced)
 
     def take(
         self, first: ParamHandle, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device

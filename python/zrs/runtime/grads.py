@@ -212,7 +212,8 @@ def accumulate_grad(h: ParamHandle, flat: torch.Tensor) -> None:
         # The reduce-scatter's output is the gradient: the .grad are views into it (no copy; the
         # output lives as long as any of its gradients).
         if local.dtype != param.dtype:
-            local = local.to(param.dtype)
+            store = h.state.grad_store
+            local = local.to(param.dtype) if store is None else store.cast(h, local)
         param.grad = local if h.spec is None else DTensor(local, h.spec, requires_grad=False)
     else:
         grad = param.grad

@@ -27,7 +27,11 @@ CONFIGS = [
     for model in ("gpt_tied", "bias_stack")
     for dtype in ("fp32", "bf16")
     for kind in ("sgd", "adamw")
-] + [("hf_llama", "bf16", "adamw")]
+] + [
+    ("hf_llama", "bf16", "adamw"),
+    ("gpt_tied", "bf16", "adamw_shard"),  # zrs.shard: the eager path's hooks, captured
+    ("bias_stack", "bf16", "sgd_accumulate"),  # two micro-batches inside the step
+]
 
 
 def _batch(model_name: str, rank: int, step: int, device: torch.device) -> tuple:
@@ -43,8 +47,12 @@ def _setup(model_name: str, dtype: str, kind: str, device: torch.device):
     spec = spec_of(model_name)
     model = spec.build().to(device)
     param_dtype = torch.bfloat16 if dtype == "bf16" else None
-    zrs.compile(model, param_dtype=param_dtype)
-    if kind == "sgd":
+    if kind.endswith("_shard"):
+        zrs.shard(model, param_dtype=param_dtype)
+    else:
+        zrs.compile(model, param_dtype=param_dtype)
+    micro = 2 if kind.endswith("_accumulate") else 1
+    if kind.startswith("sgd"):
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
     else:
         lr = torch.tensor(0.01, device=device)
@@ -52,8 +60,9 @@ def _setup(model_name: str, dtype: str, kind: str, device: torch.device):
     clip = zrs.GraphedStep(opt, max_norm=0.05)
 
     def train_step(batch: tuple, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        loss = spec.loss(model, batch) * scale
-        loss.backward()
+        for _ in range(micro):
+            loss = spec.loss(model, batch) * scale / micro
+            loss.backward()
         norm = clip().clone()  # the same tensor every call: an eager step's must not change
         opt.zero_grad()
         return loss.detach(), norm
@@ -67,7 +76,9 @@ def _train(model_name: str, dtype: str, kind: str, graphs: bool, rank: int) -> d
     device = torch.device("cuda", torch.cuda.current_device())
     model, opt, train_step = _setup(model_name, dtype, kind, device)
     sched = (
-        torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if kind == "adamw" else None
+        torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        if kind.startswith("adamw")
+        else None
     )
     step = zrs.CapturedStep(train_step, cuda_graphs=graphs)
     losses, norms = [], []
@@ -166,7 +177,8 @@ def test_captured_step_is_bit_identical(model: str, dtype: str, kind: str) -> No
     eager, captured = res[(model, dtype, kind, False)], res[(model, dtype, kind, True)]
     assert eager["captured"] == 0
     assert captured["captured"] == (2 if model == "hf_llama" else 1)
-    assert eager["counters"] == captured["counters"] == (STEPS, STEPS, STEPS)
+    micro = 2 if kind.endswith("_accumulate") else 1
+    assert eager["counters"] == captured["counters"] == (STEPS * micro, STEPS * micro, STEPS)
     for what in ("losses", "norms"):
         same = torch.allclose(eager[what], captured[what], rtol=0, atol=0, equal_nan=True)
         assert same, (what, eager[what], captured[what])

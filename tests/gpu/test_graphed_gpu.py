@@ -25,7 +25,7 @@ CONFIGS = [
     for model in ("gpt_tied", "bias_stack")
     for dtype in ("fp32", "bf16")
     for kind in ("sgd", "adamw")
-]
+] + [("bias_stack", "bf16_reduce", "adamw")]  # reduced in bf16: each .grad a cast, kept in place
 
 
 def _train(model_name: str, dtype: str, kind: str, graphs: bool, rank: int) -> dict:
@@ -34,8 +34,9 @@ def _train(model_name: str, dtype: str, kind: str, graphs: bool, rank: int) -> d
     spec = ZOO[model_name]
     device = torch.device("cuda", torch.cuda.current_device())
     model = spec.build().to(device)
-    param_dtype = torch.bfloat16 if dtype == "bf16" else None
-    zrs.compile(model, param_dtype=param_dtype)
+    param_dtype = torch.bfloat16 if dtype.startswith("bf16") else None
+    reduce_dtype = torch.bfloat16 if dtype == "bf16_reduce" else None
+    zrs.compile(model, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if kind == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
     else:

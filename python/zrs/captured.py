@@ -84,8 +84,9 @@ class CapturedStep:
         loss = train_step(x.cuda(), y.cuda())
     ```
 
-    Each distinct signature of the arguments (the tensors' shapes, dtypes, strides and devices,
-    and the values of the other arguments) runs `warmup` times eagerly, is captured at the next
+    Each distinct signature (the tensors' shapes, dtypes, strides and devices, the values of the
+    other arguments, and the modes a replay would not see: grad mode, autocast, each zrs model's
+    train/eval flags and which of its parameters require grad) runs `warmup` times eagerly, is captured at the next
     call and replayed after that: the arguments are copied into the graph's static inputs and
     the outputs come back as fresh tensors (copies of the graph's, so that the next step does
     not overwrite them). At most `max_graphs` signatures are captured; other ones run eagerly,
@@ -137,7 +138,7 @@ class CapturedStep:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat, spec = tree_flatten((args, kwargs))
-        key = (spec, tuple(_signature(v) for v in flat))
+        key = (spec, tuple(_signature(v) for v in flat), _mode())
         sig = self.signatures.get(key)
         if sig is None:
             sig = self.signatures[key] = Signature()
@@ -267,6 +268,19 @@ def _signature(value: Any) -> Hashable:
             "a captured step takes tensors (copied into the graph's inputs) and constants"
         ) from None
     return (type(value), value)
+
+
+def _mode() -> Hashable:
+    """What the step's graph depends on besides its arguments, which a replay would not see
+    change: grad mode, autocast, and every zrs model's train/eval flags and which of its
+    parameters train. A change makes another signature, warmed up and captured on its own."""
+    models = []
+    for state in LIVE.models():
+        module = state.module() if state.module is not None else None
+        flags = tuple(m.training for m in module.modules()) if module is not None else ()
+        models.append((id(state), flags, tuple(h.param.requires_grad for h in state.handles)))
+    autocast = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    return torch.is_grad_enabled(), autocast, tuple(sorted(models))
 
 
 def _addresses(entry: Graph) -> list[int]:

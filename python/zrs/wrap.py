@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -69,6 +70,7 @@ def shard_in_place(
         kernels.build_in_background()  # nvcc runs while the model is sharded (and compiled)
     shard_model(model, state, init_fn, regions)
     model._zrs_state = state
+    state.module = weakref.ref(model)
     hf.adopt_conventions(model)
     if param_dtype is not None:
         model.register_forward_pre_hook(cast_inputs(param_dtype), with_kwargs=True)

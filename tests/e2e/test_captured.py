@@ -52,3 +52,21 @@ def test_arguments_and_options_are_checked() -> None:
     assert torch.equal(step(torch.ones(2), "fast"), torch.full((2,), 2.0))
     with pytest.raises(zrs.ZrsError, match="neither a tensor nor hashable"):
         step(torch.ones(2), {"a set"})
+
+
+def test_modes_a_replay_would_not_see_make_new_signatures() -> None:
+    spec = spec_of("bias_stack")
+    model = zrs.compile(spec.build(), backend="eager")
+    step = zrs.CapturedStep(lambda batch: spec.loss(model, batch).detach(), cuda_graphs=False)
+    batch = spec.batch(0, 0)
+    step(batch)
+    step(batch)
+    assert len(step.signatures) == 1
+    model.eval()  # train/eval
+    step(batch)
+    model.train()
+    next(model.parameters()).requires_grad_(False)  # a frozen parameter
+    step(batch)
+    with torch.no_grad():  # grad mode
+        step(batch)
+    assert len(step.signatures) == 4

@@ -13,12 +13,14 @@ import contextlib
 import datetime
 import itertools
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from zrs._core import Registry, ZrsError
@@ -137,6 +139,8 @@ class ZeroState:
     optimizer_steps: int = 0
     # Why this model can no longer run: a collective failed or the ranks disagreed. Set once.
     broken: str | None = None
+    # The module this state shards (zrs.CapturedStep reads its train/eval flags).
+    module: weakref.ref[nn.Module] | None = None
 
     def __post_init__(self) -> None:
         if self.gather_group is None:

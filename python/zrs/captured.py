@@ -137,6 +137,8 @@ class CapturedStep:
         return sum(s.graph is not None for s in self.signatures.values())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.graphs:
+            _one_rank()
         flat, spec = tree_flatten((args, kwargs))
         key = (spec, tuple(_signature(v) for v in flat), _mode())
         sig = self.signatures.get(key)
@@ -175,14 +177,6 @@ class CapturedStep:
     # --- capture and replay ------------------------------------------------------------------
 
     def _capture(self, sig: Signature, flat: list[Any], spec: Any) -> Any:
-        several = [s for s in LIVE.models() if s.world_size > 1]
-        if several:
-            raise ZrsError(
-                f"{WHO} captures one rank's step only (this model runs on {several[0].world_size} "
-                "ranks): collectives replayed from a graph are outside the NCCL watchdog's "
-                "timeout, and they are not verified on several GPUs yet. Use zrs.GraphedStep, "
-                "which captures the optimizer step alone"
-            )
         sig.captures += 1
         inputs = [v.detach().clone() if isinstance(v, torch.Tensor) else v for v in flat]
         args, kwargs = tree_unflatten(inputs, spec)
@@ -207,7 +201,8 @@ class CapturedStep:
                 "Inside a captured step nothing may wait for the GPU or copy from pageable host "
                 "memory: no .item(), bool(tensor), print(tensor) or torch.cuda.synchronize(); "
                 "pass the batch as CUDA tensors; clip and skip non-finite steps with "
-                "zrs.GraphedStep, and step other optimizers with capturable=True. This "
+                "zrs.GraphedStep (torch.amp.GradScaler reads its inf check on the host: train "
+                "in bf16 without it), and step other optimizers with capturable=True. This "
                 "signature runs eagerly from now on"
             ) from exc
         finally:
@@ -255,6 +250,17 @@ class CapturedStep:
         """An optimizer loaded a state dict: its state tensors are new, so capture again."""
         for sig in self.signatures.values():
             sig.graph = None
+
+
+def _one_rank() -> None:
+    several = [s.world_size for s in LIVE.models() if s.world_size > 1]
+    if several:
+        raise ZrsError(
+            f"{WHO} captures one rank's step only (a zrs model here runs on {several[0]} ranks): "
+            "collectives replayed from a graph are outside the NCCL watchdog's timeout, and they "
+            "are not verified on several GPUs yet. Use zrs.GraphedStep, which captures the "
+            "optimizer step alone, or cuda_graphs=False"
+        )
 
 
 def _signature(value: Any) -> Hashable:

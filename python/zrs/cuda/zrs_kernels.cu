@@ -33,6 +33,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <limits>
 #include <list>
 #include <memory>
@@ -332,8 +333,9 @@ at::Tensor to_device(const void* data, int64_t bytes, const at::Device& device, 
 // copied host-to-device once. A copy is stream-ordered on the stream that made it; another stream
 // that uses the table first waits for its event, and is recorded with the allocator so that an
 // evicted table's memory is not reused while that stream may still read it. Under CUDA graph
-// capture (which starts with a device synchronize, so every copy is done) a table must already be
-// here: the captured kernel reads it at every replay, so it is kept for good from then on.
+// capture (which starts with a device synchronize, so every copy is done) a cached table is kept
+// for good from then on, as the captured kernel reads it at every replay; a table first seen
+// under capture belongs to the graph, which copies it itself.
 class TableCache {
  public:
   const Seg* get(const std::vector<Seg>& segs, const at::Device& device, cudaStream_t stream) {
@@ -347,19 +349,28 @@ class TableCache {
     if (found != index_.end()) {
       lru_.splice(lru_.begin(), lru_, found->second);  // most recently used first
       Entry& e = **found->second;
-      if (e.dev.device() != device) return nullptr;  // another GPU's table: no reuse
-      if (capturing) {
-        e.keep = true;
-      } else if (stream != e.made_on && e.waited.insert(stream).second) {
-        e.ready.block(c10::cuda::getStreamFromExternal(stream, device.index()));
-        c10::cuda::CUDACachingAllocator::recordStream(
-            e.dev.storage().data_ptr(), c10::cuda::getStreamFromExternal(stream, device.index()));
+      if (e.dev.device() == device) {
+        if (capturing) {
+          e.keep = true;
+        } else if (stream != e.made_on && e.waited.insert(stream).second) {
+          e.ready.block(c10::cuda::getStreamFromExternal(stream, device.index()));
+          c10::cuda::CUDACachingAllocator::recordStream(
+              e.dev.storage().data_ptr(), c10::cuda::getStreamFromExternal(stream, device.index()));
+        }
+        return static_cast<const Seg*>(e.dev.data_ptr());
       }
-      return static_cast<const Seg*>(e.dev.data_ptr());
+      if (!capturing) return nullptr;  // another GPU's table: the caller copies it for the call
     }
-    TORCH_CHECK(!capturing,
-                "zrs copy kernels: a copy first seen while a CUDA graph is being captured; run the "
-                "step once uncaptured first (its segment tables are then on the device)");
+    if (capturing) {
+      // First seen while a graph is captured: the graph copies it from pinned memory itself, at
+      // each replay (a node of its own, ordered before the kernel on this stream). No cache
+      // entry, so no event that eager streams would wait on; both copies live as long as the
+      // process, as the graph may replay at any time.
+      owned_.emplace_back();
+      Owned& o = owned_.back();
+      o.dev = to_device(key.data(), int64_t(key.size()), device, o.host);
+      return static_cast<const Seg*>(o.dev.data_ptr());
+    }
     auto e = std::make_unique<Entry>();
     e->bytes.assign(key.begin(), key.end());
     e->dev = to_device(key.data(), int64_t(key.size()), device, e->host);
@@ -381,6 +392,9 @@ class TableCache {
     bool keep = false;
   };
   using List = std::list<std::unique_ptr<Entry>>;
+  struct Owned {  // a table first seen under capture: its graph's
+    at::Tensor host, dev;
+  };
 
   void evict() {
     for (auto it = std::prev(lru_.end()); lru_.size() > kMaxTables && it != lru_.begin();) {
@@ -395,6 +409,7 @@ class TableCache {
   std::mutex mu_;
   List lru_;
   std::unordered_map<std::string_view, List::iterator> index_;
+  std::deque<Owned> owned_;
 };
 
 TableCache& table_cache() {

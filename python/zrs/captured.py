@@ -45,7 +45,7 @@ class Graph:
     out_spec: Any
     counts: list[tuple[weakref.ref[ZeroState], int, int]]  # model, forwards, backwards
     optimizers: list[Hyperparameters]  # the optimizers it steps, as captured
-    addresses: list[int]  # what the graph reads and writes in place: shards, optimizer state
+    held: Hashable  # what it assumes stays as captured (`_held`)
     keep: list[torch.Tensor]  # gradient regions the graph writes, kept alive with it
 
 
@@ -85,8 +85,7 @@ class CapturedStep:
     ```
 
     Each distinct signature (the tensors' shapes, dtypes, strides and devices, the values of the
-    other arguments, and the modes a replay would not see: grad mode, autocast, each zrs model's
-    train/eval flags and which of its parameters require grad) runs `warmup` times eagerly, is captured at the next
+    other arguments, grad mode and autocast) runs `warmup` times eagerly, is captured at the next
     call and replayed after that: the arguments are copied into the graph's static inputs and
     the outputs come back as fresh tensors (copies of the graph's, so that the next step does
     not overwrite them). At most `max_graphs` signatures are captured; other ones run eagerly,
@@ -99,9 +98,11 @@ class CapturedStep:
       stepped directly needs `capturable=True` (torch checks it).
     - The optimizers' hyperparameters held as Python numbers are baked in: changing one raises
       ZrsError (hold it as a tensor). Their step hooks run around each replay.
-    - The parameters, the optimizer state and the gradients must stay where they were captured:
-      if a parameter's shard or an optimizer state tensor moved (`optimizer.load_state_dict`),
-      the signature is captured again; after MAX_RECAPTURES it runs eagerly, with a warning.
+    - The parameters, the optimizer state and the gradients must stay where they were captured,
+      and the models in the mode they were captured in (train/eval, which parameters require
+      grad). If a shard or an optimizer state tensor moved, or a mode changed, the signature is
+      warmed up and captured again (`optimizer.load_state_dict` too); after MAX_RECAPTURES it
+      runs eagerly, with a warning.
     - One rank only, for now: at several ranks the step raises ZrsError (captured collectives
       are outside the NCCL watchdog's timeout, and no multi-GPU machine has verified them yet).
     """
@@ -147,9 +148,14 @@ class CapturedStep:
         sig.calls += 1
         if not self.graphs or sig.eager or sig.calls <= self.warmup:
             return self.step_fn(*args, **kwargs)
-        if sig.graph is not None and sig.graph.addresses != _addresses(sig.graph):
-            sig.graph = None  # something the graph writes in place moved
-            _log.info("%s: capturing again (parameters or optimizer state moved)", WHO)
+        if sig.graph is not None and sig.graph.held != _held(sig.graph):
+            # A parameter or the optimizer state moved, or a model changed mode, since the
+            # capture: warm up and capture again (a new mode may compile new code, which cannot
+            # happen under capture).
+            sig.graph = None
+            sig.calls = 1
+            _log.info("%s: capturing again (parameters, optimizer state or mode changed)", WHO)
+            return self.step_fn(*args, **kwargs)
         if sig.graph is None:
             if self._give_up(sig):
                 return self.step_fn(*args, **kwargs)
@@ -159,7 +165,7 @@ class CapturedStep:
     def _give_up(self, sig: Signature) -> bool:
         """Run `sig` eagerly from now on: too many graphs, or it keeps moving."""
         if sig.captures > MAX_RECAPTURES:
-            why = f"its parameters or optimizer state moved {sig.captures} times"
+            why = f"its parameters, optimizer state or mode changed {sig.captures} times"
         elif sig.captures == 0 and self.captured >= self.max_graphs:
             why = f"{self.max_graphs} signatures are captured already (max_graphs)"
         else:
@@ -219,10 +225,10 @@ class CapturedStep:
                 if (s.forwards, s.backwards) != before[id(s)]
             ],
             optimizers=[Hyperparameters(o, WHO) for o in stepped.optimizers],
-            addresses=[],
+            held=None,
             keep=[r.buf for s in models if s.grad_store for r in s.grad_store.regions.values()],
         )
-        entry.addresses = _addresses(entry)
+        entry.held = _held(entry)
         for fixed in entry.optimizers:
             if fixed.optimizer not in self.hooked:
                 self.hooked.add(fixed.optimizer)
@@ -277,26 +283,23 @@ def _signature(value: Any) -> Hashable:
 
 
 def _mode() -> Hashable:
-    """What the step's graph depends on besides its arguments, which a replay would not see
-    change: grad mode, autocast, and every zrs model's train/eval flags and which of its
-    parameters train. A change makes another signature, warmed up and captured on its own."""
-    models = []
-    for state in LIVE.models():
-        module = state.module() if state.module is not None else None
-        flags = tuple(m.training for m in module.modules()) if module is not None else ()
-        models.append((id(state), flags, tuple(h.param.requires_grad for h in state.handles)))
-    autocast = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
-    return torch.is_grad_enabled(), autocast, tuple(sorted(models))
+    """The global modes a replay would not see change: grad mode and autocast."""
+    autocast = torch.is_autocast_enabled("cuda")
+    return torch.is_grad_enabled(), autocast and torch.get_autocast_dtype("cuda")
 
 
-def _addresses(entry: Graph) -> list[int]:
-    """Where the graph's step reads and writes in place: every captured model's shards and each
-    stepped optimizer's state tensors."""
-    out = []
+def _held(entry: Graph) -> Hashable:
+    """What the graph assumes stays as captured: the addresses it reads and writes in place
+    (every captured model's shards, each stepped optimizer's parameters and state), and what
+    changes the step its models run (every module's train/eval flag, which parameters train)."""
+    out: list[Hashable] = []
     for ref, _, _ in entry.counts:
         state = ref()
-        if state is not None:
-            out.extend(h.shard.data_ptr() for h in state.handles)
+        if state is None:
+            continue
+        module = state.module() if state.module is not None else None
+        out.append(tuple(m.training for m in module.modules()) if module is not None else ())
+        out.extend((h.shard.data_ptr(), h.param.requires_grad) for h in state.handles)
     for opt in (f.optimizer for f in entry.optimizers):
         for group in opt.param_groups:
             for p in group["params"]:
@@ -304,7 +307,7 @@ def _addresses(entry: Graph) -> list[int]:
                 for v in opt.state.get(p, {}).values():
                     if isinstance(v, torch.Tensor):
                         out.append(_local(v).data_ptr())
-    return out
+    return tuple(out)
 
 
 def _fresh(entry: Graph) -> Any:

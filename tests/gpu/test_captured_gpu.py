@@ -133,6 +133,29 @@ def _cannot_capture(device: torch.device) -> dict[str, str]:
     return out
 
 
+def _mode_change(device: torch.device) -> dict:
+    """Freezing a parameter after the capture: the next steps run eagerly and capture again,
+    and no replay trains the frozen parameter."""
+    import zrs
+
+    model, _, train_step = _setup("bias_stack", "fp32", "sgd", device)
+    step = zrs.CapturedStep(train_step, warmup=1)
+    one = torch.ones((), device=device)
+    for i in range(3):  # eager, capture, replay
+        step(_batch("bias_stack", 0, i, device), one)
+    frozen = next(model.parameters())
+    frozen.requires_grad_(False)
+    before = frozen.detach().to_local().clone()
+    for i in range(3, 6):  # eager (mode changed), capture, replay
+        step(_batch("bias_stack", 0, i, device), one)
+    sig = next(iter(step.signatures.values()))
+    return {
+        "frozen_unchanged": torch.equal(before, frozen.detach().to_local()),
+        "captures": sig.captures,
+        "signatures": len(step.signatures),
+    }
+
+
 def run_all(rank: int, world: int) -> dict:
     import zrs
 
@@ -154,6 +177,7 @@ def run_all(rank: int, world: int) -> dict:
         for graphs in (False, True):
             out[(model, dtype, kind, graphs)] = _train(model, dtype, kind, graphs, rank)
     out["errors"] = _cannot_capture(device)
+    out["mode"] = _mode_change(device)
     return out
 
 
@@ -190,3 +214,8 @@ def test_what_cannot_be_captured_raises() -> None:
     errors = _one_rank()["errors"]
     assert "could not be captured" in errors["sync"] and ".item()" in errors["sync"]
     assert "'lr' changed from 0.1 to 0.05" in errors["lr"]
+
+
+def test_a_mode_change_captures_again() -> None:
+    mode = _one_rank()["mode"]
+    assert mode == {"frozen_unchanged": True, "captures": 2, "signatures": 1}, mode

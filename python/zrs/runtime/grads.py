@@ -206,6 +206,10 @@ def accumulate_grad(h: ParamHandle, flat: torch.Tensor) -> None:
     """Add this rank's reduced gradient shard (flat, padded) to the parameter's `.grad`, then run
     the parameter's post-accumulate-grad hooks: its gradient for this backward is complete."""
     param = h.param
+    if not param.requires_grad:
+        # Frozen after zrs sharded it: the graphs compiled before still compute and reduce its
+        # gradient, and no optimizer may step it.
+        return
     local = flat if h.local_numel == h.shard_numel else flat.narrow(0, 0, h.local_numel)
     local = local.view(h.local_shape)
     if param.grad is None:

@@ -46,7 +46,7 @@ class Graph:
     counts: list[tuple[weakref.ref[ZeroState], int, int]]  # model, forwards, backwards
     optimizers: list[Hyperparameters]  # the optimizers it steps, as captured
     held: Hashable  # what it assumes stays as captured (`_held`)
-    keep: list[torch.Tensor]  # gradient regions the graph writes, kept alive with it
+    keep: list[torch.Tensor]  # the gradient buffers the graph writes, kept alive with it
 
 
 @dataclass(eq=False)
@@ -226,7 +226,7 @@ class CapturedStep:
             ],
             optimizers=[Hyperparameters(o, WHO) for o in stepped.optimizers],
             held=None,
-            keep=[r.buf for s in models if s.grad_store for r in s.grad_store.regions.values()],
+            keep=[t for s in models if s.grad_store for t in s.grad_store.tensors()],
         )
         entry.held = _held(entry)
         for fixed in entry.optimizers:

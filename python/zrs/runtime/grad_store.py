@@ -54,6 +54,10 @@ class GradStore:
             buf = self.casts[h.ds_id] = torch.empty_like(reduced, dtype=dtype)
         return buf.copy_(reduced)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer it holds now: a graph that writes them keeps them alive."""
+        return [r.buf for r in self.regions.values()] + list(self.casts.values())
+
     def take(
         self, first: ParamHandle, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> tuple[Key, torch.Tensor] | None:

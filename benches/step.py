@@ -29,6 +29,9 @@ ones (zrs_eager, fsdp2_eager, deepspeed_zero3) compile nothing.
 
 Systems:
   zrs              zrs.compile(model, param_dtype=bf16, reduce_dtype=fp32)
+  zrs_graphed      the same, its fused AdamW step replayed as a CUDA graph (zrs.GraphedStep)
+  zrs_captured     the same, the whole step (forward, backward, AdamW) one CUDA graph
+                   (zrs.CapturedStep; one rank)
   zrs_eager        zrs.shard(model, param_dtype=bf16, reduce_dtype=fp32): the same sharding, no
                    torch.compile (module hooks gather, prefetch and release); --zrs-* don't apply
   fsdp2_eager      fully_shard per block and on the root, MixedPrecisionPolicy(bf16, fp32)

@@ -103,6 +103,9 @@ class CapturedStep:
       grad). If a shard or an optimizer state tensor moved, or a mode changed, the signature is
       warmed up and captured again (`optimizer.load_state_dict` too); after MAX_RECAPTURES it
       runs eagerly, with a warning.
+    - Python state that `step_fn` reads from outside its arguments (a closure variable, a
+      global, a branch on a step counter) is frozen as it was at capture: pass what changes as
+      an argument (a tensor, or a constant that makes its own signature).
     - One rank only, for now: at several ranks the step raises ZrsError (captured collectives
       are outside the NCCL watchdog's timeout, and no multi-GPU machine has verified them yet).
     """

@@ -204,6 +204,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="gradient reduce-scatter dtype of zrs and FSDP2 (DeepSpeed reduces in its "
         "bf16 default)",
     )
+    p.add_argument(
+        "--master-dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="what zrs and FSDP2 keep their sharded parameters and optimizer state in: fp32 "
+        "(default; master weights, single_amp's recipe) or bf16 (none, single's recipe: with "
+        "--reduce-dtype bf16 they train what single trains)",
+    )
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -303,6 +311,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.systems = systems
         if args.warmup < 1 or args.steps < 1:
             p.error("--warmup and --steps must be at least 1")
+        if args.master_dtype != "fp32" and set(systems) & set(DEEPSPEED_SYSTEMS):
+            p.error("--master-dtype bf16: the DeepSpeed systems keep fp32 master weights")
     return args
 
 
@@ -363,6 +373,10 @@ class Ctx:
     @property
     def reduce_dtype(self) -> torch.dtype:
         return DTYPES[self.args.reduce_dtype]
+
+    def master_model(self) -> nn.Module:
+        """The preset's model on the meta device, in --master-dtype."""
+        return meta_model(self.spec).to(DTYPES[self.args.master_dtype])
 
 
 @dataclass
@@ -541,7 +555,7 @@ def build_zrs(ctx: Ctx, compiled: bool, graphed: bool = False, captured: bool = 
     import zrs
 
     spec = ctx.spec
-    model = meta_model(spec)
+    model = ctx.master_model()
     torch.manual_seed(ctx.args.seed)
     common = {
         "init_fn": spec.init_fn(model),
@@ -580,7 +594,7 @@ def build_fsdp2(ctx: Ctx, compiled: bool) -> Built:
     mesh = init_device_mesh(ctx.device.type, (ctx.world,))
     mp = MixedPrecisionPolicy(param_dtype=ctx.param_dtype, reduce_dtype=ctx.reduce_dtype)
     spec = ctx.spec
-    model = meta_model(spec)
+    model = ctx.master_model()
     layers = spec.blocks(model)  # Llama's Blocks, LlamaDecoderLayer's or GPT2Block's
     n = len(layers)
     for i in range(n):
@@ -823,6 +837,9 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
         "seq_len": spec.seq_len,
         "layers": spec.n_layers,
         "param_dtype": args.param_dtype,
+        "master_dtype": {"single": args.param_dtype, "single_amp": "fp32"}.get(
+            system, args.master_dtype
+        ),
         "reduce_dtype": built.reduce_dtype,
         "cudnn_sdpa": not args.no_cudnn_sdpa,
     }

@@ -13,7 +13,11 @@ number of steps in it):
 * ``streams``: busy milliseconds per CUDA stream, and the longest idle gaps on the stream that
   runs the most compute, with the name of the kernel that ended each gap;
 * ``kernel_groups_ms``: summed kernel time per kind (matmul, attention, Triton, zrs's copy kernel,
-  all-gather, reduce-scatter, ...), to compare two systems' compute kernel by kind.
+  all-gather, reduce-scatter, ...), to compare two systems' compute kernel by kind;
+  ``kernel_groups_count`` the number of launches per kind;
+* ``main_stream_kernels`` and ``main_stream_gap_sizes``: GPU events on the main stream, and its
+  gaps by size (count and milliseconds per step): under a CUDA graph the host no longer opens
+  gaps, and what is left is one short gap per kernel boundary.
 
 ``--compact DIR`` also writes each trace's GPU events alone (name, start, duration, stream) as
 gzipped JSON: a 7b trace is hundreds of MB, its kernels a few MB, small enough to bring back from
@@ -34,6 +38,8 @@ from typing import Any
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 TOP_GAPS = 5
+# Upper bounds (microseconds) of the gap-size classes in main_stream_gap_sizes.
+GAP_CLASSES = ((2.0, "le_2us"), (10.0, "le_10us"), (100.0, "le_100us"), (float("inf"), "gt_100us"))
 # Kernel kinds by name, first match wins. Matmuls on Hopper are nvjet/cutlass/xmma kernels.
 KERNEL_GROUPS = (
     ("all_gather", ("ncclDevKernel_AllGather", "ncclKernel_AllGather")),
@@ -130,9 +136,16 @@ def summarize(events: list[dict[str, Any]], steps: int) -> dict[str, Any]:
         if gap > 0:
             gaps.append((gap, prev["name"][:60], nxt["name"][:60]))
     gaps.sort(reverse=True)
+    sizes = {name: [0, 0.0] for _, name in GAP_CLASSES}
+    for gap, _, _ in gaps:
+        size = sizes[next(name for bound, name in GAP_CLASSES if gap <= bound)]
+        size[0] += 1
+        size[1] += gap
     groups: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
     for e in kernels:
         groups[kernel_group(e["name"])] += float(e["dur"])
+        counts[kernel_group(e["name"])] += 1
     return {
         "window_ms": round((end - start) / per, 3),
         "compute_ms": round(_length(compute_u) / per, 3),
@@ -141,9 +154,17 @@ def summarize(events: list[dict[str, Any]], steps: int) -> dict[str, Any]:
         "idle_ms": round((end - start - busy) / per, 3),
         "main_stream": str(main_sid),
         "main_stream_gaps_ms": round(sum(g for g, _, _ in gaps) / per, 3),
+        "main_stream_kernels": round(len(evs) / max(steps, 1), 1),
+        "main_stream_gap_sizes": {
+            name: {"count": round(n / max(steps, 1), 1), "ms": round(t / per, 3)}
+            for name, (n, t) in sizes.items()
+        },
         "streams_busy_ms": streams,
         "kernel_groups_ms": {
             g: round(t / per, 3) for g, t in sorted(groups.items(), key=lambda kv: -kv[1])
+        },
+        "kernel_groups_count": {
+            g: round(n / max(steps, 1), 1) for g, n in sorted(counts.items(), key=lambda kv: -kv[1])
         },
         "top_gaps": [
             {"ms": round(g / 1e3, 3), "after": a, "before": b} for g, a, b in gaps[:TOP_GAPS]

@@ -39,6 +39,16 @@ def test_exposed_communication_and_kernel_groups():
         "reduce_scatter": 0.2,
         "triton": 0.1,
     }
+    assert out["kernel_groups_count"] == {
+        "matmul": 1,
+        "all_gather": 1,
+        "triton": 1,
+        "reduce_scatter": 1,
+    }
+    # Stream 7 runs the matmul and the Triton kernel, 600 us apart.
+    assert out["main_stream_kernels"] == 2
+    assert out["main_stream_gap_sizes"]["gt_100us"] == {"count": 1, "ms": 0.6}
+    assert out["main_stream_gap_sizes"]["le_2us"] == {"count": 0, "ms": 0.0}
 
 
 def test_kernel_names_fall_into_their_groups():

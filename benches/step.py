@@ -561,6 +561,7 @@ def build_zrs(ctx: Ctx, compiled: bool, graphed: bool = False, captured: bool = 
         "init_fn": spec.init_fn(model),
         "param_dtype": ctx.param_dtype,
         "reduce_dtype": ctx.reduce_dtype,
+        "master_dtype": DTYPES[ctx.args.master_dtype],
     }
     if compiled:
         model = zrs.compile(

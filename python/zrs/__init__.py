@@ -42,6 +42,7 @@ def compile(
     backend: str = "inductor",
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    master_dtype: torch.dtype | None = None,
     init_fn: InitFn | None = None,
     memory_budget: int | None = None,
     scheduler: str = "search",
@@ -56,7 +57,8 @@ def compile(
     """Shard `model` across the process group and compile it with the zrs ZeRO-3 backend.
 
     Every parameter is flattened, padded to a multiple of the world size and cut into equal shards;
-    the local fp32 shard replaces it as the module's `nn.Parameter`, so any torch.optim optimizer
+    the local shard (fp32 unless `master_dtype` says otherwise) replaces it as the module's
+    `nn.Parameter`, so any torch.optim optimizer
     works on `model.parameters()`. Module code that reads a parameter gathers it; inside compiled
     graphs the gathers, releases and gradient reduce-scatters are scheduled by zrs.
 
@@ -64,10 +66,14 @@ def compile(
         process_group: the data-parallel group (default: the world group; none needed for one
             process).
         backend: "inductor" (default) or "eager" (run the lowered FX graphs without codegen).
-        param_dtype: compute dtype of gathered parameters (e.g. torch.bfloat16); shards stay fp32
-            (float64 in a float64 model).
-        reduce_dtype: dtype of the gradient reduce-scatter (default fp32; float64 in a float64
-            model).
+        param_dtype: compute dtype of gathered parameters (e.g. torch.bfloat16; default: the
+            master dtype).
+        reduce_dtype: dtype of the gradient reduce-scatter (default: the master dtype).
+        master_dtype: dtype of the shards, which the optimizer steps and keeps its state in.
+            Default: fp32 master weights whatever the parameters' dtype (float64 in a float64
+            model). torch.bfloat16 trains the model wholly in bf16, with no fp32 copy: half the
+            memory for weights and optimizer state, the precision of bf16 updates (FSDP2's
+            behaviour for a model cast to bf16 before sharding).
         init_fn: for a model built on the meta device, `fn(module)` initialises one module's own
             parameters and buffers (default: the module's `reset_parameters()`).
         memory_budget: bytes each compiled graph may allocate (gathered parameters and
@@ -129,7 +135,7 @@ def compile(
         raise ZrsError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     if scheduler not in SCHEDULERS:
         raise ZrsError(f"unknown scheduler {scheduler!r}: choose one of {', '.join(SCHEDULERS)}")
-    _check_common(timeout, param_dtype, reduce_dtype, model)
+    _check_common(timeout, param_dtype, reduce_dtype, master_dtype, model)
     if memory_budget is not None and (
         isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget <= 0
     ):
@@ -146,6 +152,7 @@ def compile(
         "backend": backend,
         "param_dtype": param_dtype,
         "reduce_dtype": reduce_dtype,
+        "master_dtype": master_dtype,
         "memory_budget": memory_budget,
         "scheduler": scheduler,
         "profile": profile,
@@ -182,6 +189,7 @@ def shard(
     process_group: dist.ProcessGroup | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    master_dtype: torch.dtype | None = None,
     init_fn: InitFn | None = None,
     timeout: float | None = None,
     prefetch_numel: int | None = None,
@@ -207,7 +215,8 @@ def shard(
     differs.
 
     Args (the sizes count elements of gathered parameters):
-        process_group, param_dtype, reduce_dtype, init_fn, timeout: as for `zrs.compile`.
+        process_group, param_dtype, reduce_dtype, master_dtype, init_fn, timeout: as for
+            `zrs.compile`.
         prefetch_numel: elements prefetched ahead of the running unit, by the trace. Default:
             the largest unit's (one unit ahead).
         max_live_numel: elements that prefetches and parameters kept for reuse may hold
@@ -221,7 +230,7 @@ def shard(
 
     Returns the same model object, sharded in place.
     """
-    _check_common(timeout, param_dtype, reduce_dtype, model)
+    _check_common(timeout, param_dtype, reduce_dtype, master_dtype, model)
     limits = {
         "prefetch_numel": prefetch_numel,
         "max_live_numel": max_live_numel,
@@ -239,6 +248,7 @@ def shard(
         "api": "shard",
         "param_dtype": param_dtype,
         "reduce_dtype": reduce_dtype,
+        "master_dtype": master_dtype,
         "timeout": timeout,
         **limits,
     }
@@ -255,13 +265,15 @@ def _check_common(
     timeout: float | None,
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
+    master_dtype: torch.dtype | None,
     model: nn.Module,
 ) -> None:
     if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
         raise ZrsError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
     options.check_dtype("param_dtype", param_dtype)
     options.check_dtype("reduce_dtype", reduce_dtype)
-    options.check_param_dtypes(model)
+    options.check_dtype("master_dtype", master_dtype)
+    options.check_param_dtypes(model, master_dtype)
 
 
 def __getattr__(name: str) -> object:

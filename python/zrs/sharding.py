@@ -1,6 +1,6 @@
 """Cut every parameter of a model into world-size shards and make module code gather at use.
 
-Each parameter becomes an fp32 DTensor (float64 in a float64 model: zrs.options) sharded by
+Each parameter becomes a DTensor in the master dtype (fp32 by default: zrs.options) sharded by
 rows (`Shard(0)` over its full shape, FSDP2's convention), stored as the real `nn.Parameter` under
 the same name: optimizers, `state_dict()`, torch.distributed.checkpoint, `clip_grad_norm_` and
 GradScaler see what they see under FSDP2. Its local tensor is a view of this rank's flat, padded
@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from zrs import options, state_dict
+from zrs import state_dict
 from zrs._core import ZrsError
 from zrs.runtime import grads, handles
 from zrs.runtime.handles import UNRESOLVED, ParamHandle
@@ -204,8 +204,7 @@ def _shard_one(state: ZeroState, param: nn.Parameter, name: str) -> ParamHandle:
         list(param.shape), str(param.dtype).removeprefix("torch."), param.requires_grad
     )
     info = state.registry.info(slot)
-    dtype = options.shard_dtype(param.dtype)
-    flat = torch.zeros(info.padded_numel, dtype=dtype, device=state.device)
+    flat = torch.zeros(info.padded_numel, dtype=state.master_dtype, device=state.device)
     flat[: info.numel].copy_(full.reshape(-1))
     # A 0-d parameter has no rows to cut: every rank holds it (a replicated DTensor), and its
     # gradient reaches every rank (grads._replicate_scalar).

@@ -51,13 +51,15 @@ def shard_in_place(
         links.peers.agree(f"{api} call {entry}", describe(model, settings))
         links.connect(settings.get("separate_reduce_communicator", True))
     param_dtype = settings["param_dtype"]
+    master = options.master_dtype(model, settings["master_dtype"])
     state = ZeroState(
         group=group,
         world_size=world,
         rank=dist.get_rank(group) if group is not None else 0,
         device=device,
         param_dtype=param_dtype,
-        reduce_dtype=options.default_reduce_dtype(model, settings["reduce_dtype"]),
+        master_dtype=master,
+        reduce_dtype=options.default_reduce_dtype(master, settings["reduce_dtype"]),
         registry=Registry(world),
         timeout=links.timeout,
         gather_group=links.gather_group,

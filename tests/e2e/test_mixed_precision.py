@@ -1,6 +1,8 @@
 """Mixed precision: param_dtype=bfloat16 (fp32 reduce, fp32 master shards) against an unsharded
 reference that runs its forward under torch.autocast("cpu", dtype=torch.bfloat16) and averages the
-per-rank gradients. Same group-of-workers layout as test_correctness.py."""
+per-rank gradients; and master_dtype=bfloat16 (a bf16 model trained wholly in bf16, no fp32 copy)
+against the same model trained unsharded in bf16. Same group-of-workers layout as
+test_correctness.py."""
 
 from __future__ import annotations
 
@@ -54,8 +56,18 @@ def _case(backend: str, model: str) -> Case:
     return Case(model, backend, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
+# master_dtype=bf16 runs in the same workers: zrs.compile's eager backend and zrs.shard beside the
+# eager group's cases, inductor beside the inductor group's.
+MASTER_MODEL = "gpt_tied"
+MASTER_APIS = {"eager": ("eager", "shard"), "inductor": ("inductor",)}
+
+
+def _master_case(api: str) -> Case:
+    return Case(MASTER_MODEL, api, master_dtype=torch.bfloat16)
+
+
 def _group(backend: str, world: int) -> list[dict[str, dict]]:
-    cases = [_case(backend, m) for m in MODELS]
+    cases = [_case(backend, m) for m in MODELS] + [_master_case(a) for a in MASTER_APIS[backend]]
     return cached_run(("mixed_precision", backend, world), run_cases, world, cases)
 
 
@@ -114,3 +126,81 @@ def test_tolerance_is_meaningful(model: str) -> None:
         update = (final - bf16.init[name]).norm()
         assert update > 0, name
         assert (final - fp32.final[name]).norm() / update < UPDATE_RTOL / 2, name
+
+
+# master_dtype=bf16 against the bf16 model trained unsharded. Both keep bf16 weights, so an update
+# smaller than half a bf16 step of its weight rounds away on both sides, and a gradient that
+# differs in its last bit moves a weight by one bf16 step (2**-8 relative) more or less: zrs sums
+# the ranks' pre-divided bf16 gradients where the reference rounds their fp32 mean once, and the
+# workers' CPU matmuls (one thread) round otherwise than the reference's. zrs.shard in one
+# process gives the reference's numbers exactly. Measured in the workers: weights at most one
+# bf16 step apart; each matrix's update off by at most 4.3% of its norm, the whole model's by
+# 2.4% (inductor, world 2). The bounds leave about 3x margin; a wrong gradient scale (the ranks'
+# sum for their mean) is off by the whole update.
+MASTER_RTOL, MASTER_ATOL = 2**-6, 1e-3
+MASTER_UPDATE_RTOL = 0.15  # each matrix's; the whole model's: half of it
+
+
+@functools.cache
+def _bf16_reference(world: int) -> Reference:
+    return train_reference(ZOO[MASTER_MODEL], world, model_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("api", "world"),
+    [
+        pytest.param(api, world, id=f"{api}-w{world}")
+        for backend in BACKENDS
+        for world in WORLD_SIZES
+        for api in MASTER_APIS[backend]
+    ],
+)
+def test_bf16_masters_match_bf16_reference(api: str, world: int) -> None:
+    backend = "eager" if api == "shard" else api
+    per_rank = case_outcome(_group(backend, world), _master_case(api).key)
+    ref = _bf16_reference(world)
+    state = per_rank[0]["state"]
+    problems = []
+    for rank, r in enumerate(per_rank):
+        dtypes = {dtype for *_, dtype, _ in r["local_params"]}
+        if dtypes != {"torch.bfloat16"}:
+            problems.append(f"rank {rank}: shards in {sorted(dtypes)}, not bf16")
+        if r["optimizer_state_dtypes"] != ["torch.bfloat16"]:
+            problems.append(f"rank {rank}: optimizer state in {r['optimizer_state_dtypes']}")
+        if r["output_dtypes"] != [torch.bfloat16]:
+            problems.append(f"rank {rank}: model output dtypes {r['output_dtypes']}, not bf16")
+        for step, (got, exp) in enumerate(zip(r["losses"], ref.losses, strict=True)):
+            if not math.isclose(got, exp[rank], rel_tol=LOSS_RTOL):
+                problems.append(f"loss of rank {rank} at step {step}: {got!r} != {exp[rank]!r}")
+    problems += compare_params(state, ref.final, rtol=MASTER_RTOL, atol=MASTER_ATOL)
+    # The updates, of the matrices one by one (their updates span many bf16 steps) and of the
+    # whole model (a layer norm's update may be one step or none).
+    off = want = 0.0
+    for name, final in ref.final.items():
+        if name not in state or state[name].shape != final.shape:
+            continue  # reported above
+        update = (final - ref.init[name]).float()
+        err = (state[name].float() - final.float()).norm()
+        off, want = off + err**2, want + update.norm() ** 2
+        if final.dim() >= 2 and not err <= MASTER_UPDATE_RTOL * update.norm():
+            problems.append(f"{name}: update off by {err / update.norm():.3g} of its norm")
+    if not off <= (MASTER_UPDATE_RTOL / 2) ** 2 * want:
+        problems.append(f"the model's update off by {(off / want) ** 0.5:.3g} of its norm")
+    if problems:
+        pytest.fail(
+            f"{MASTER_MODEL} ({api}, world {world}, master_dtype=bf16) differs from the bf16 "
+            f"reference after {len(ref.losses)} SGD-momentum steps:\n  " + "\n  ".join(problems),
+            pytrace=False,
+        )
+
+
+def test_bf16_master_tolerance_is_meaningful() -> None:
+    """Guards the bounds above: in the bf16 reference most elements of every matrix move, by far
+    more than the elementwise tolerance."""
+    ref = _bf16_reference(2)
+    for name, final in ref.final.items():
+        if final.dim() < 2:
+            continue
+        update = (final - ref.init[name]).float()
+        assert (update != 0).float().mean() > 0.4, name
+        assert update.abs().max() > 10 * MASTER_ATOL, name

@@ -23,7 +23,7 @@ from zrs.runtime import state as runtime
 # --- dtype options ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("option", ["param_dtype", "reduce_dtype"])
+@pytest.mark.parametrize("option", ["param_dtype", "reduce_dtype", "master_dtype"])
 @pytest.mark.parametrize("value", [torch.int8, torch.int32, torch.bool, torch.complex64, "float32"])
 def test_non_float_dtype_option_raises_before_sharding(option, value):
     model = nn.Linear(3, 4)
@@ -48,6 +48,16 @@ def test_float64_mixed_with_float32_raises():
     with pytest.raises(zrs.ZrsError, match=r"mixes float64 .* torch\.float32.*model\.double\(\)"):
         zrs.compile(model, backend="eager")
     assert type(model[0]) is nn.Linear
+
+
+def test_master_dtype_sets_every_shard_and_the_default_reduce():
+    """Mixed float64 and fp32 parameters are fine once master_dtype says what to keep."""
+    model = nn.Sequential(nn.Linear(3, 4).double(), nn.Linear(4, 2))
+    zrs.compile(model, backend="eager", master_dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model._zrs_state.reduce_dtype == torch.bfloat16
+    model(torch.randn(5, 3, dtype=torch.bfloat16)).sum().backward()
+    assert {p.grad.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
 # --- float64 models -----------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """zrs.CapturedStep on a GPU: the whole step (forward, backward, clip, optimizer) replayed from a
-CUDA graph gives bit-identical parameters, losses and norms to the same step run eagerly: fp32
-and bf16, SGD-momentum and AdamW, clipped, through a non-finite step, and a Hugging Face Llama
-on two sequence lengths (one graph each). What cannot be captured raises ZrsError.
+CUDA graph gives bit-identical parameters, losses and norms to the same step run eagerly: fp32,
+bf16 compute over fp32 masters and bf16 masters (master_dtype), SGD-momentum and AdamW, clipped,
+through a non-finite step, and a Hugging Face Llama on two sequence lengths (one graph each). What
+cannot be captured raises ZrsError.
 
 Marked `gpu` (tests/conftest.py): run with `ZRS_GPU_WORLD=1` on one GPU, NCCL process groups.
 """
@@ -31,6 +32,8 @@ CONFIGS = [
     ("hf_llama", "bf16", "adamw"),
     ("gpt_tied", "bf16", "adamw_shard"),  # zrs.shard: the eager path's hooks, captured
     ("bias_stack", "bf16", "sgd_accumulate"),  # two micro-batches inside the step
+    ("gpt_tied", "bf16master", "adamw"),  # a bf16 model, bf16 shards and optimizer state
+    ("bias_stack", "bf16master", "sgd"),
 ]
 
 
@@ -45,12 +48,13 @@ def _setup(model_name: str, dtype: str, kind: str, device: torch.device):
     import zrs
 
     spec = spec_of(model_name)
-    model = spec.build().to(device)
-    param_dtype = torch.bfloat16 if dtype == "bf16" else None
+    master = torch.bfloat16 if dtype == "bf16master" else None
+    model = spec.build().to(device=device, dtype=master)
+    param_dtype = torch.bfloat16 if dtype.startswith("bf16") else None  # casts float inputs
     if kind.endswith("_shard"):
-        zrs.shard(model, param_dtype=param_dtype)
+        zrs.shard(model, param_dtype=param_dtype, master_dtype=master)
     else:
-        zrs.compile(model, param_dtype=param_dtype)
+        zrs.compile(model, param_dtype=param_dtype, master_dtype=master)
     micro = 2 if kind.endswith("_accumulate") else 1
     if kind.startswith("sgd"):
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)

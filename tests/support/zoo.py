@@ -340,17 +340,22 @@ def train_reference(
     steps: int = STEPS,
     autocast_dtype: torch.dtype | None = None,
     max_norm: float | None = None,
+    model_dtype: torch.dtype | None = None,
 ) -> Reference:
     """Unsharded, single-process training equivalent to data-parallel training on
     ``world_size`` ranks: each step averages the gradients of the ranks' batches (and clips
-    their global norm to ``max_norm``)."""
+    their global norm to ``max_norm``). ``model_dtype``: the model cast to it, trained wholly in
+    it (the gradients' mean computed in fp32, rounded once)."""
     model = spec.build()
+    if model_dtype is not None:
+        model.to(model_dtype)
     init = param_dict(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     losses: list[list[float]] = []
     for step in range(steps):
-        total = [torch.zeros_like(p) for p in trainable]
+        total = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32))
+                 for p in trainable]  # fmt: skip
         step_losses = []
         for rank in range(world_size):
             with torch.autocast(
@@ -362,7 +367,7 @@ def train_reference(
             for acc, g in zip(total, grads, strict=True):
                 acc += g
         for p, g in zip(trainable, total, strict=True):
-            p.grad = g / world_size
+            p.grad = (g / world_size).to(p.dtype)
         if max_norm is not None:
             torch.nn.utils.clip_grad_norm_(trainable, max_norm)
         opt.step()
@@ -402,6 +407,8 @@ class Case:
     # opt.step().
     graphed_step: bool = False
     max_norm: float | None = None
+    # The model cast to it and zrs's master_dtype= (None: neither, the default fp32 masters).
+    master_dtype: torch.dtype | None = None
 
     @property
     def key(self) -> str:
@@ -409,7 +416,8 @@ class Case:
         sched = "" if self.scheduler is None else f"-{self.scheduler}"
         where = "" if self.device == "cpu" else f"-{self.device}"
         graphed = f"-graphed{self.max_norm or ''}" if self.graphed_step else ""
-        return f"{self.backend}{sched}-{self.model}{dtype}{where}{graphed}"
+        master = "" if self.master_dtype is None else f"-m{str(self.master_dtype).split('.')[-1]}"
+        return f"{self.backend}{sched}-{self.model}{dtype}{master}{where}{graphed}"
 
 
 def _train_zrs(rank: int, case: Case, group: object) -> dict:
@@ -425,8 +433,10 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
         # fp32 means fp32: the reference runs on the CPU.
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    model = spec.build().to(device)
+    model = spec.build().to(device=device, dtype=case.master_dtype)
     kwargs: dict = {"process_group": group, "backend": case.backend}
+    if case.master_dtype is not None:
+        kwargs["master_dtype"] = case.master_dtype
     if case.param_dtype is not None:
         kwargs["param_dtype"] = case.param_dtype
     if case.reduce_dtype is not None:
@@ -449,7 +459,7 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
         for p in model.parameters()
     ]
     output_dtypes: list[torch.dtype] = []
-    if case.param_dtype is not None:
+    if case.param_dtype is not None or case.master_dtype is not None:
         # Evidence that the forward really ran in param_dtype (the output keeps its dtype).
         model.register_forward_hook(
             lambda m, args, out: output_dtypes.append(getattr(out, "logits", out).dtype)
@@ -469,6 +479,7 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
         optimizer_step()
         losses.append(loss.item())
     graphs = counters["stats"]["unique_graphs"]
+    state_dtypes = {str(v.dtype) for s in opt.state.values() for v in s.values() if v.dim()}
     generated = spec.generate(model) if spec.generate is not None else None
     state = zrs.full_state_dict(model)
     return {
@@ -479,6 +490,7 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
         "output_dtypes": sorted(set(output_dtypes), key=str),
         "graph_breaks": sorted(counters["graph_break"]),
         "graphs": graphs,
+        "optimizer_state_dtypes": sorted(state_dtypes),
         "state": {k: v.detach().cpu().clone() for k, v in state.items()},
     }
 

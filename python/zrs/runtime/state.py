@@ -77,6 +77,7 @@ class ZeroState:
     rank: int
     device: torch.device
     param_dtype: torch.dtype | None
+    master_dtype: torch.dtype  # every shard's (options.master_dtype)
     reduce_dtype: torch.dtype
     registry: Registry
     # Resize a released buffer's storage to 0 (the eager backend, whose FX code keeps every

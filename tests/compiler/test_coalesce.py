@@ -9,6 +9,7 @@ from torch import fx, nn
 from torch._inductor import config as inductor_config
 
 import zrs
+from lowered import as_several_ranks
 from zrs.compiler import pipeline
 from zrs.compiler._fx import OPS, is_op, val
 from zrs.compiler.coalesce import coalesce
@@ -65,7 +66,7 @@ def _train(backend: str, coalesced: bool, monkeypatch) -> tuple[list[float], lis
 
     monkeypatch.setattr(pipeline, "coalesce", spy)
     torch.manual_seed(0)
-    model = zrs.compile(Net(), backend=backend)
+    model = as_several_ranks(zrs.compile(Net(), backend=backend))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for step in range(3):

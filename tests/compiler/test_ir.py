@@ -11,7 +11,7 @@ from torch import fx, nn
 from torch._inductor import config as inductor_config
 
 import zrs
-from lowered import lowered
+from lowered import as_several_ranks, lowered
 from zrs import _core
 from zrs import planner as zplan
 from zrs.compiler import ir as fx_ir
@@ -244,7 +244,7 @@ def test_profile_runs_constants_and_symbolic_sizes(monkeypatch, backend):
     model = _ConstantAndLengths()
     ref = _ConstantAndLengths()
     ref.load_state_dict(model.state_dict())
-    zrs.compile(model, backend=backend)
+    as_several_ranks(zrs.compile(model, backend=backend))
     try:
         with inductor_config.patch(fx_graph_cache=False):  # a cache hit skips the passes
             for length in (5, 9, 13):  # the second length makes the graph symbolic

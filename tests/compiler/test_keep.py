@@ -10,6 +10,7 @@ from torch import nn
 from torch._inductor import config as inductor_config
 
 import zrs
+from lowered import as_several_ranks
 from zrs import _core
 from zrs.runtime import gather
 from zrs.runtime import state as runtime
@@ -50,7 +51,9 @@ def gathered(monkeypatch):
 
 def _model(backend: str, keep: bool, **options: object) -> nn.Module:
     torch.manual_seed(0)
-    return zrs.compile(Stack(), backend=backend, keep_for_backward=keep, **options)
+    return as_several_ranks(
+        zrs.compile(Stack(), backend=backend, keep_for_backward=keep, **options)
+    )
 
 
 def _step(model: nn.Module, gathered: list[int], seed: int = 1) -> tuple[float, int, int]:

@@ -8,6 +8,7 @@ from torch import fx, nn
 from torch._inductor import config as inductor_config
 
 import zrs
+from lowered import as_several_ranks
 from zrs.compiler import pipeline
 from zrs.compiler._fx import cast_dtype
 from zrs.runtime import grads
@@ -39,8 +40,8 @@ def lowered(monkeypatch):
     reduced: list[tuple[int, torch.dtype, int]] = []  # ds_id, gradient dtype, planned bucket
     lower, reduce_grads = pipeline.lower_zero3, grads.reduce_grads
 
-    def spy_lower(graph, graph_id, *, is_backward):
-        out = lower(graph, graph_id, is_backward=is_backward)
+    def spy_lower(graph, graph_id, *, is_backward, views):
+        out = lower(graph, graph_id, is_backward=is_backward, views=views)
         copy = fx.Graph()  # as lowered: the later passes change `graph` in place
         copy.output(copy.graph_copy(graph, {}))
         graphs["bw" if is_backward else "fw"] = copy
@@ -62,7 +63,7 @@ def lowered(monkeypatch):
 def test_both_graphs_are_lowered(lowered, backend, param_dtype):
     graphs, reduced = lowered
     torch.manual_seed(0)
-    model = zrs.compile(Net(), backend=backend, param_dtype=param_dtype)
+    model = as_several_ranks(zrs.compile(Net(), backend=backend, param_dtype=param_dtype))
     model(torch.randn(4, 6)).backward()
     fw, bw = graphs["fw"], graphs["bw"]
     for g in (fw, bw):
@@ -97,12 +98,44 @@ def test_both_graphs_are_lowered(lowered, backend, param_dtype):
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_one_rank_gathers_that_cast_nothing_are_views(lowered, backend):
+    """One rank: the fp32 shards are the parameters, so no gather, release or gathered buffer;
+    a view of each shard instead. The gradients still go to reduce_grad, and train as the
+    gathers do (as several ranks lower them, in this process)."""
+    graphs, reduced = lowered
+    losses, params = [], []
+    for views in (True, False):
+        torch.manual_seed(0)
+        model = zrs.compile(Net(), backend=backend)
+        model._zrs_state.one_rank_views = views
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for step in range(3):
+            loss = model(torch.randn(4, 6, generator=torch.Generator().manual_seed(step)))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        params.append([p.detach().clone() for p in model.parameters()])
+        if views:
+            fw, bw = graphs["fw"], graphs["bw"]
+            for g in (fw, bw):
+                assert _count(g, OPS.allgather_param) == _count(g, OPS.release_param) == 0
+            trainable = [h.ds_id for h in model._zrs_state.handles if h.shard.requires_grad]
+            assert _count(bw, OPS.reduce_grad) == len(trainable)
+            assert {h.param.grad is None for h in model._zrs_state.handles} == {True}
+        runtime.reset()
+    assert losses[:3] == losses[3:]
+    for a, b in zip(*params, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_the_backward_is_compiled_with_the_forward(lowered, backend):
     """Compiled (and profiled) lazily, the backward's profile ran inside the first backward
     beside that step's real saved activations, and the first step's peak memory rose above every
     later step's. Compiled with the forward, nothing but the shards is live then."""
     graphs, _ = lowered
-    model = zrs.compile(Net(), backend=backend)
+    model = as_several_ranks(zrs.compile(Net(), backend=backend))
     loss = model(torch.randn(4, 6))
     assert "bw" in graphs, "the backward was lowered before the first backward ran"
     lowered_bw = graphs["bw"]
@@ -120,7 +153,7 @@ def test_torch_nn_container_is_captured_whole(backend):
     counters.clear()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
-    model = zrs.compile(model, backend=backend)
+    model = as_several_ranks(zrs.compile(model, backend=backend))
     with inductor_config.patch(fx_graph_cache=False):
         model(torch.randn(4, 6)).sum().backward()
     runtime.reset()
@@ -129,7 +162,7 @@ def test_torch_nn_container_is_captured_whole(backend):
 
 
 def test_the_compile_time_of_each_zrs_phase_is_recorded(lowered):
-    model = zrs.compile(Net(), backend="eager")
+    model = as_several_ranks(zrs.compile(Net(), backend="eager"))
     model(torch.randn(4, 6)).backward()
     spent = model._zrs_state.compile_s
     assert {"lower", "profile", "plan", "keep"} <= spent.keys()
@@ -212,7 +245,10 @@ def test_lowering_is_linear_in_the_number_of_parameters():
     def cost(n: int) -> int:
         fw, bw = _chain(n)
         return _lines_run(
-            lambda: (lower_zero3(fw, 0, is_backward=False), lower_zero3(bw, 0, is_backward=True))
+            lambda: (
+                lower_zero3(fw, 0, is_backward=False, views=False),
+                lower_zero3(bw, 0, is_backward=True, views=False),
+            )
         )
 
     small, large = cost(500), cost(5000)

@@ -17,7 +17,7 @@ from torch._inductor import config as inductor_config
 
 import zrs
 from _dist import run_workers
-from lowered import lowered, zrs_error
+from lowered import as_several_ranks, lowered, zrs_error
 from zoo import LR, MOMENTUM, STEPS, ZOO, compare_params, train_reference
 from zrs import _core
 from zrs.compiler import ir as fx_ir
@@ -76,7 +76,7 @@ def _record_runtime(monkeypatch) -> list[tuple[str, object]]:
 
 def _train(model_name: str, rank: int = 0, group=None, **kwargs) -> dict:
     spec = ZOO[model_name]
-    model = zrs.compile(spec.build(), process_group=group, **kwargs)
+    model = as_several_ranks(zrs.compile(spec.build(), process_group=group, **kwargs))
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     losses = []
     for step in range(STEPS):
@@ -170,7 +170,9 @@ def _two_ranks(rank: int, world: int) -> dict:
             runtime.reset()
     # an infeasible budget raises the same error on every rank instead of hanging
     torch.manual_seed(0)
-    model = zrs.compile(Net(), process_group=dist.new_group(list(range(world))), memory_budget=1)
+    model = as_several_ranks(
+        zrs.compile(Net(), process_group=dist.new_group(list(range(world))), memory_budget=1)
+    )
     try:
         model(torch.randn(4, 6))
         out["budget_error"] = "no error"
@@ -218,7 +220,7 @@ class Net(nn.Module):
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_too_small_budget_names_the_minimum(backend):
     torch.manual_seed(0)
-    model = zrs.compile(Net(), backend=backend, memory_budget=1)
+    model = as_several_ranks(zrs.compile(Net(), backend=backend, memory_budget=1))
     with (
         inductor_config.patch(fx_graph_cache=False),
         pytest.raises(zrs.BudgetInfeasibleError) as info,
@@ -232,7 +234,7 @@ def test_too_small_budget_names_the_minimum(backend):
     # the named minimum is enough
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = zrs.compile(Net(), backend=backend, memory_budget=err.minimal)
+    model = as_several_ranks(zrs.compile(Net(), backend=backend, memory_budget=err.minimal))
     model(torch.randn(4, 6))
     runtime.reset()
 
@@ -250,7 +252,7 @@ def test_bad_options_raise_before_sharding(kwargs, match):
     model = nn.Linear(3, 4)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(zrs.ZrsError, match=match):
-        zrs.compile(model, **kwargs)
+        as_several_ranks(zrs.compile(model, **kwargs))
     assert type(model) is nn.Linear and model.weight.shape == (4, 3)
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, before[k])
@@ -268,7 +270,9 @@ def test_scheduler_none_keeps_the_lowered_graph(monkeypatch):
 
     monkeypatch.setattr(pipeline, "plan_graph", spy)
     torch.manual_seed(0)
-    zrs.compile(Net(), backend="eager", scheduler="none")(torch.randn(4, 6)).backward()
+    as_several_ranks(zrs.compile(Net(), backend="eager", scheduler="none"))(
+        torch.randn(4, 6)
+    ).backward()
     runtime.reset()
     assert len(seen) == 2 and all(out is None and same for out, same in seen)
 
@@ -281,7 +285,7 @@ def test_trace_files(tmp_path, monkeypatch, how):
     else:
         kwargs["trace_dir"] = tmp_path
     torch.manual_seed(0)
-    zrs.compile(Net(), backend="eager", **kwargs)(torch.randn(4, 6)).backward()
+    as_several_ranks(zrs.compile(Net(), backend="eager", **kwargs))(torch.randn(4, 6)).backward()
     runtime.reset()
     for stem in ("graph0_fw", "graph0_bw"):
         ir = json.loads((tmp_path / f"{stem}.ir.json").read_text())

@@ -13,6 +13,7 @@ from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
 from torch._inductor import config as inductor_config
 
 import zrs
+from lowered import as_several_ranks
 from zoo import LR, MOMENTUM, STEPS, ZOO, compare_params, train_reference
 from zrs.compiler import backend as dynamo_backend
 from zrs.compiler import pipeline
@@ -74,7 +75,9 @@ def _train(backend: str, regions: bool, monkeypatch, block: type = Block):
     monkeypatch.setattr(pipeline, "lower", spy)
     torch.manual_seed(0)
     # keep_for_backward=False: the backward gathers every parameter it needs again
-    model = zrs.compile(Net(block=block), backend=backend, regions=regions, keep_for_backward=False)
+    model = as_several_ranks(
+        zrs.compile(Net(block=block), backend=backend, regions=regions, keep_for_backward=False)
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(3):
         x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
@@ -129,7 +132,7 @@ def test_a_block_input_saved_for_the_backward_outlives_the_next_block() -> None:
     tensor and every gradient below the last block's norm was wrong."""
     spec = ZOO["gpt_tied"]
     with inductor_config.patch(fx_graph_cache=False):
-        model = zrs.compile(spec.build(), backend="inductor", scheduler="none")
+        model = as_several_ranks(zrs.compile(spec.build(), backend="inductor", scheduler="none"))
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
         for step in range(STEPS):
             spec.loss(model, spec.batch(0, step)).backward()

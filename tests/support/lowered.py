@@ -30,13 +30,20 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
     return fx.GraphModule(owner, new).graph if owner is not None else new
 
 
+def as_several_ranks(model: torch.nn.Module) -> torch.nn.Module:
+    """A model zrs.compile'd in one process, lowered as several ranks' are: every gather stays a
+    gather (with its release and plan), not a view of the shard. Before the first forward."""
+    model._zrs_state.one_rank_views = False
+    return model
+
+
 def _lowered_graphs(model_name: str, backend: str) -> list[fx.Graph]:
     """Copies of the lowered (unscheduled) forward and backward graphs of one zoo model."""
     graphs: list[fx.Graph] = []
     lower = pipeline.lower_zero3
 
-    def spy(graph, graph_id, *, is_backward):
-        out = lower(graph, graph_id, is_backward=is_backward)
+    def spy(graph, graph_id, *, is_backward, views):
+        out = lower(graph, graph_id, is_backward=is_backward, views=views)
         graphs.append(copy_graph(graph))
         return out
 
@@ -45,7 +52,7 @@ def _lowered_graphs(model_name: str, backend: str) -> list[fx.Graph]:
     mp.setattr(pipeline, "lower_zero3", spy)
     try:
         with inductor_config.patch(fx_graph_cache=False):
-            model = zrs.compile(spec.build(), backend=backend, scheduler="none")
+            model = as_several_ranks(zrs.compile(spec.build(), backend=backend, scheduler="none"))
             spec.loss(model, spec.batch(0, 0)).backward()
     finally:
         mp.undo()

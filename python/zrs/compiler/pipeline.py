@@ -103,7 +103,7 @@ def lower(
 ) -> None:
     """Step 3: the passes, in their order; each phase's wall time goes to `state.compile_s`."""
     t0 = time.perf_counter()
-    lower_zero3(graph, graph_id, is_backward=is_backward)
+    lower_zero3(graph, graph_id, is_backward=is_backward, views=state.one_rank_views)
     t1 = time.perf_counter()
     planned = plan_graph(graph, graph_id, is_backward=is_backward, ctx=ctx)
     t2 = time.perf_counter()

@@ -7,6 +7,8 @@ annotations of the lowered ops are legal):
   release after the last real use (uses are counted through aliasing views; a tuple-returning user
   is released after its last `getitem`);
 * a gather whose only user is a downcast gathers in the smaller dtype (fused downcast);
+* at one rank, a gather in the shard's own dtype becomes a view of the shard: the shard is the
+  whole parameter, and a gathered copy would only cost a device copy and its memory;
 * each parameter gradient (`gather_grad`, or a sum of them for a parameter used several times)
   goes to `reduce_grad`, right where it is complete, and `end_backward` flushes the buckets. The
   graph then returns None for that shard: the runtime accumulates into `shard.grad` itself;
@@ -26,7 +28,7 @@ from zrs._core import ZrsError
 from zrs.compiler._fx import OPS, alias_closure, cast_dtype, is_op, val
 
 
-def _lower_gather(graph: fx.Graph, g: fx.Node, graph_id: int) -> None:
+def _lower_gather(graph: fx.Graph, g: fx.Node, graph_id: int, views: bool) -> None:
     shard, ds_id = g.args[0], g.args[1]
     dtype = g.kwargs.get("dtype", g.args[3] if len(g.args) > 3 else None)
     src = val(g)
@@ -36,6 +38,9 @@ def _lower_gather(graph: fx.Graph, g: fx.Node, graph_id: int) -> None:
         cast = cast_dtype(users[0])
         if cast is not None and src is not None and cast.itemsize < src.dtype.itemsize:
             dtype, target = cast, users[0]
+    if views and val(target).dtype == val(shard).dtype:
+        _view_of_shard(graph, g)
+        return
     with graph.inserting_before(g):
         ag = graph.call_function(
             OPS.allgather_param.default, (shard, graph_id, ds_id), {"dtype": dtype}
@@ -73,6 +78,23 @@ def _lower_gather(graph: fx.Graph, g: fx.Node, graph_id: int) -> None:
             OPS.release_param.default, (anchor, graph_id, ds_id, len(real), anchors[:-1])
         )
     rel.meta["val"] = val(anchor)
+
+
+def _view_of_shard(graph: fx.Graph, g: fx.Node) -> None:
+    """One rank, no cast: the gathered parameter is the shard's first elements, viewed in the
+    parameter's shape. A view of the graph's input, which inductor never writes into (a gathered
+    buffer it may reuse once dead); nothing to release, and a use saved for backward is the
+    shard itself rather than a copy. The gradient still reaches `reduce_grad` through the
+    backward's `gather_grad`."""
+    shard, shape = g.args[0], g.args[2]
+    numel = val(g).numel()
+    with graph.inserting_before(g):
+        head = graph.call_function(torch.ops.aten.slice.Tensor, (shard, 0, 0, numel))
+        view = graph.call_function(torch.ops.aten.view.default, (head, list(shape)))
+    head.meta["val"] = val(shard)[:numel]
+    view.meta["val"] = val(g)
+    g.replace_all_uses_with(view)
+    graph.erase_node(g)
 
 
 def _tensor_outputs(node: fx.Node) -> list[fx.Node]:
@@ -144,9 +166,10 @@ def _lower_grads(graph: fx.Graph, graph_id: int) -> None:
         graph.call_function(OPS.end_backward.default, (graph_id,))
 
 
-def lower_zero3(graph: fx.Graph, graph_id: int, *, is_backward: bool) -> None:
+def lower_zero3(graph: fx.Graph, graph_id: int, *, is_backward: bool, views: bool) -> None:
+    """`views`: one rank, where a gather that casts nothing becomes a view of the shard."""
     for g in list(graph.find_nodes(op="call_function", target=OPS.gather.default)):
-        _lower_gather(graph, g, graph_id)
+        _lower_gather(graph, g, graph_id, views)
     if is_backward:
         _lower_grads(graph, graph_id)
     graph.eliminate_dead_code()

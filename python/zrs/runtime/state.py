@@ -125,6 +125,9 @@ class ZeroState:
     # The parameters' DTensor mesh over `group` (None without torch.distributed: then each
     # parameter is the whole tensor).
     mesh: DeviceMesh | None = field(init=False)
+    # One rank: a gather that casts nothing is lowered to a view of the shard (compiler/zero3.py).
+    # The compiler's tests turn it off to lower one process's graphs as several ranks' are.
+    one_rank_views: bool = field(init=False)
     # A gloo group over `group`'s ranks for asynchronous checkpoint saves (zrs.checkpoint).
     checkpoint_group: dist.ProcessGroup | None = None
     step: StepState = field(default_factory=StepState)
@@ -148,6 +151,7 @@ class ZeroState:
             self.gather_group = self.group
         if self.reduce_group is None:
             self.reduce_group = self.gather_group
+        self.one_rank_views = self.world_size == 1
         self.gather_stream = streams.side_stream(self.device, "gather")
         self.reduce_stream = streams.side_stream(self.device, "reduce")
         self.mesh = (

@@ -102,7 +102,7 @@ def test_one_rank_gathers_that_cast_nothing_are_views(lowered, backend):
     """One rank: the fp32 shards are the parameters, so no gather, release or gathered buffer;
     a view of each shard instead. The gradients still go to reduce_grad, and train as the
     gathers do (as several ranks lower them, in this process)."""
-    graphs, reduced = lowered
+    graphs, _ = lowered
     losses, params = [], []
     for views in (True, False):
         torch.manual_seed(0)

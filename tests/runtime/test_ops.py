@@ -115,13 +115,13 @@ def test_reduce_grads_packs_like_one_reduce_per_gradient(handles):
     grads = [torch.randn(h.shape, device=h.shard.device) for h in handles]
     ids = [h.ds_id for h in handles]
     torch.ops.zrs.reduce_grads(grads, 0, ids, [0] * len(ids))
-    torch.ops.zrs.end_backward(0)
+    torch.ops.zrs.end_backward(0, [])
     batched = [h.param.grad.clone() for h in handles]
     for h in handles:
         h.param.grad = None
     for g, i in zip(grads, ids, strict=True):
         torch.ops.zrs.reduce_grad(g, 0, i)
-    torch.ops.zrs.end_backward(0)
+    torch.ops.zrs.end_backward(0, [])
     for h, b in zip(handles, batched, strict=True):
         torch.testing.assert_close(h.param.grad, b, rtol=0, atol=0)
         torch.testing.assert_close(b, grads[ids.index(h.ds_id)])
@@ -133,7 +133,9 @@ def test_reduce_grad_and_end_backward(handles):
     torch.library.opcheck(
         torch.ops.zrs.reduce_grad.default, (grad, 0, h.ds_id), test_utils=STATEFUL_UTILS
     )
-    torch.library.opcheck(torch.ops.zrs.end_backward.default, (0,), test_utils=STATEFUL_UTILS)
+    torch.library.opcheck(
+        torch.ops.zrs.end_backward.default, (0, [grad]), test_utils=STATEFUL_UTILS
+    )
     assert h.param.grad is not None
     calls = h.param.grad / grad  # every call accumulated the same gradient
     assert torch.allclose(calls, calls.flatten()[0].expand_as(calls))

@@ -163,7 +163,10 @@ def _lower_grads(graph: fx.Graph, graph_id: int) -> None:
     if visible is not None:  # inductor reads the strides of these outputs: None has none
         output.meta["user_visible_output_idxs"] = [i for i in visible if grads[i] is not None]
     with graph.inserting_before(output):
-        graph.call_function(OPS.end_backward.default, (graph_id,))
+        # After every gradient the graph returns: inductor otherwise may move the kernel of one
+        # past this op with no tensor inputs and free that kernel's inputs before it runs.
+        after = [g for g in grads if isinstance(g, fx.Node) and isinstance(val(g), torch.Tensor)]
+        graph.call_function(OPS.end_backward.default, (graph_id, after))
 
 
 def lower_zero3(graph: fx.Graph, graph_id: int, *, is_backward: bool, views: bool) -> None:

@@ -5,7 +5,8 @@ schema strings. The `(a)` annotations on `wait_allgather` and `release_param` ar
 they tell inductor the output is the input, so it neither frees the gathered tensor early nor
 reorders its users across the wait or the release. `release_param` also takes the outputs of the
 parameter's other uses (`after`): a data dependency on each is what keeps inductor from scheduling
-a fused use after the free.
+a fused use after the free; `end_backward` takes the graph's returned gradients for the same
+reason.
 
 `gather` / `gather_grad` are the functional pair dynamo traces (forward all-gather, backward
 reduce-scatter with pre-divide). The zero3 pass lowers them into the remaining ops.
@@ -39,7 +40,7 @@ SCHEMAS = {
         "ScalarType[]? dtypes=None) -> Tensor"
     ),
     "reduce_grad": "reduce_grad(Tensor grad, int graph_id, int ds_id, int bucket_numel=0) -> ()",
-    "end_backward": "end_backward(int graph_id) -> ()",
+    "end_backward": "end_backward(int graph_id, Tensor[] after) -> ()",
     # One op per group of the ops above (compiler/coalesce.py): the per-parameter host work of a
     # planned graph, batched. allgather_params returns a token that stands for the group's
     # gathered buffers; wait_allgathers returns the members' parameters, declared aliases of the
@@ -218,12 +219,12 @@ def _reduce_grad_fake(grad, graph_id, ds_id, bucket_numel=0):
 
 
 @_impl("end_backward")
-def _end_backward(graph_id):
+def _end_backward(graph_id, after):
     grads.end_backward(handles.LIVE.models())
 
 
 @_fake("end_backward")
-def _end_backward_fake(graph_id):
+def _end_backward_fake(graph_id, after):
     return None
 
 

@@ -76,6 +76,17 @@ def _reference(model: str, world: int) -> Reference:
     return train_reference(ZOO[model], world, autocast_dtype=torch.bfloat16)
 
 
+def _bf16_output_and_losses(rank: int, r: dict, ref: Reference) -> list[str]:
+    """One rank's problems: its model's output not bf16, a loss not close to the reference's."""
+    problems = []
+    if r["output_dtypes"] != [torch.bfloat16]:
+        problems.append(f"rank {rank}: model output dtypes {r['output_dtypes']}, not bf16")
+    for step, (got, exp) in enumerate(zip(r["losses"], ref.losses, strict=True)):
+        if not math.isclose(got, exp[rank], rel_tol=LOSS_RTOL):
+            problems.append(f"loss of rank {rank} at step {step}: {got!r} != {exp[rank]!r}")
+    return problems
+
+
 @pytest.mark.parametrize(("backend", "world", "model"), PARAMS)
 def test_bf16_matches_autocast_reference(backend: str, world: int, model: str) -> None:
     per_rank = case_outcome(_group(backend, world), _case(backend, model).key)
@@ -86,11 +97,7 @@ def test_bf16_matches_autocast_reference(backend: str, world: int, model: str) -
     for rank, r in enumerate(per_rank):
         for reason in unexpected_graph_breaks(ZOO[model], r["graph_breaks"]):
             problems.append(f"rank {rank}: graph break (zrs compiled path not used): {reason}")
-        if r["output_dtypes"] != [torch.bfloat16]:
-            problems.append(f"rank {rank}: model output dtypes {r['output_dtypes']}, not bf16")
-        for step, (got, exp) in enumerate(zip(r["losses"], ref.losses, strict=True)):
-            if not math.isclose(got, exp[rank], rel_tol=LOSS_RTOL):
-                problems.append(f"loss of rank {rank} at step {step}: {got!r} != {exp[rank]!r}")
+        problems += _bf16_output_and_losses(rank, r, ref)
 
     # fp32 master weights: compare_params also checks that full_state_dict gives fp32 tensors.
     problems += compare_params(state, ref.final, rtol=RTOL, atol=ATOL)
@@ -167,11 +174,7 @@ def test_bf16_masters_match_bf16_reference(api: str, world: int) -> None:
             problems.append(f"rank {rank}: shards in {sorted(dtypes)}, not bf16")
         if r["optimizer_state_dtypes"] != ["torch.bfloat16"]:
             problems.append(f"rank {rank}: optimizer state in {r['optimizer_state_dtypes']}")
-        if r["output_dtypes"] != [torch.bfloat16]:
-            problems.append(f"rank {rank}: model output dtypes {r['output_dtypes']}, not bf16")
-        for step, (got, exp) in enumerate(zip(r["losses"], ref.losses, strict=True)):
-            if not math.isclose(got, exp[rank], rel_tol=LOSS_RTOL):
-                problems.append(f"loss of rank {rank} at step {step}: {got!r} != {exp[rank]!r}")
+        problems += _bf16_output_and_losses(rank, r, ref)
     problems += compare_params(state, ref.final, rtol=MASTER_RTOL, atol=MASTER_ATOL)
     # The updates, of the matrices one by one (their updates span many bf16 steps) and of the
     # whole model (a layer norm's update may be one step or none).

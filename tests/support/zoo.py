@@ -479,7 +479,12 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
         optimizer_step()
         losses.append(loss.item())
     graphs = counters["stats"]["unique_graphs"]
-    state_dtypes = {str(v.dtype) for s in opt.state.values() for v in s.values() if v.dim()}
+    state_dtypes = {
+        str(v.dtype)
+        for s in opt.state.values()
+        for v in s.values()
+        if isinstance(v, Tensor) and v.dim()  # not a step count
+    }
     generated = spec.generate(model) if spec.generate is not None else None
     state = zrs.full_state_dict(model)
     return {

@@ -232,17 +232,47 @@ def format_exc() -> str:
     return traceback.format_exc()
 
 
+# The environment of the NCCL ranks of `run_faulty`, set before init_process_group: what torch's
+# NCCL watchdog does when a collective that a lost peer never joins times out is pinned, so that
+# the tests' expectations hold whatever the caller's environment (docs/faults.md, "Under NCCL").
+NCCL_FAULT_ENV = {
+    # Work.wait() orders the streams and never blocks the host (torch's default): zrs's host-side
+    # checks (the step check, the store meetings) are what must raise.
+    "TORCH_NCCL_BLOCKING_WAIT": "0",
+    # torch's default: at a collective's timeout the watchdog takes the process down...
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    # ...4 times this many ms later (it waits for the flight recorder's dump first): 60 s, which
+    # puts zrs's ZrsError, at the timeout, well ahead of it (torch's default, pinned).
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "15000",
+    # No flight-recorder dump files from the ranks' timeouts.
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    # No nvcc build of zrs's copy kernels, which a rank killed mid-build would leave locked for
+    # every later process (the torch ops serve).
+    "ZRS_NO_CUDA_KERNELS": "1",
+}
+
+
 def _fault_entry(
-    rank: int, fn: Callable[..., Any], world_size: int, args: tuple, init_method: str, out: str
+    rank: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple,
+    init_method: str,
+    out: str,
+    backend: str,
 ) -> None:
     torch.set_num_threads(1)
+    if backend == "nccl":
+        os.environ.update(NCCL_FAULT_ENV)
+        torch.cuda.set_device(rank)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=init_method,
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT),
+        device_id=torch.device("cuda", rank) if backend == "nccl" else None,
     )
     try:
         result: Any = fn(rank, world_size, *args)
@@ -250,25 +280,33 @@ def _fault_entry(
         result = WorkerError(traceback.format_exc())
     with open(os.path.join(out, f"result{rank}.pkl"), "wb") as fh:
         pickle.dump(result, fh)
-    # A peer may be stopped or dead: no barrier, no destroy_process_group (both would wait).
+    # A peer may be stopped or dead: no barrier, no destroy_process_group (both would wait). Under
+    # NCCL a collective that the peer never joined may still be pending on this rank's GPU:
+    # _exit leaves it to the driver instead of waiting for it in CUDA's or NCCL's teardown.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
 
 def run_faulty(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    backend: str = "gloo",
 ) -> list[Any]:
     """``run_workers`` for ranks that may stop or kill themselves on purpose: each rank's result,
     None for a rank that left none (it died or was still stopped at the end). A rank that raises
     gives its traceback as a ``WorkerError`` result; the run fails with ``WorkerTimeout`` only if
-    a rank that has not stopped itself is still running at ``timeout``."""
+    a rank that has not stopped itself is still running at ``timeout``.
+
+    ``backend``: "gloo" (CPU), or "nccl": rank r on GPU r, with ``NCCL_FAULT_ENV``."""
     with tempfile.TemporaryDirectory(prefix="zrs-fault-") as tmp:
         init_method = "file://" + os.path.join(tmp, "store")
         with _patched_env(_WORKER_ENV):
             ctx = mp.start_processes(
                 _fault_entry,
-                args=(fn, world_size, args, init_method, tmp),
+                args=(fn, world_size, args, init_method, tmp, backend),
                 nprocs=world_size,
                 join=False,
                 start_method="spawn",

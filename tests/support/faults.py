@@ -1,10 +1,16 @@
 """Fault scenarios for the multi-process tests and `benches/faults.py`: each runs on every rank of a
-gloo group, injects one fault (an exception, a disagreement, a stopped or killed rank) and reports
-per rank what zrs raised and how long after the fault.
+process group, injects one fault (an exception, a disagreement, a stopped or killed rank) and
+reports per rank what zrs raised and how long after the fault.
 
 A scenario returns a dict per rank: `error` (the text of the first exception caught, "" if none),
 `kind` (its class name), `seconds` (from the fault to that exception) and scenario-specific
 entries. The timeout is the zrs.compile `timeout=` of every model built here.
+
+Every scenario takes `device`: "cpu" for a gloo group, "cuda" for an NCCL group (this rank's GPU,
+the current device). The models and every batch go there. Under NCCL the batches are copied to
+the GPU before the fault: a copy from pageable host memory waits for the stream, and a collective
+that a lost peer never joins blocks the stream for good (docs/faults.md). Nothing here reads a GPU
+value on the host after a fault for the same reason.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import datetime
 import os
 import signal
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -63,15 +70,41 @@ def _fire(x: torch.Tensor, trigger: _Trigger) -> torch.Tensor:
     return _Hook.apply(x, trigger)
 
 
+# Whether the next tripwire call raises (once). A host-side flag, not a tensor: reading a GPU value
+# would sync the host with the device, and an out-of-range index on CUDA is a device-side assert
+# that ends the process, not an exception.
+_TRIPWIRE = {"armed": False}
+
+
+@torch.library.custom_op("zrs_faults::tripwire", mutates_args=())
+def tripwire(x: torch.Tensor) -> torch.Tensor:
+    """A copy of `x`, or an IndexError once `arm_tripwire` was called: an op that raises on the
+    host in the middle of a compiled graph, on any device."""
+    if _TRIPWIRE["armed"]:
+        _TRIPWIRE["armed"] = False
+        raise IndexError("the tripwire inside the second graph")
+    return x.clone()
+
+
+@tripwire.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+tripwire.register_autograd(lambda ctx, grad: grad)
+
+
+def arm_tripwire() -> None:
+    """Make the next `tripwire` call (in the next forward of a Net) raise."""
+    _TRIPWIRE["armed"] = True
+
+
 class Net(nn.Module):
     def __init__(self, extra: bool = False) -> None:
         super().__init__()
         self.first = nn.Linear(8, 16)
         self.second = nn.Linear(16, 16)
         self.head = nn.Linear(16, 4)
-        # Read inside the second graph: out-of-range values make it raise half-way, with the
-        # head's gather possibly in flight.
-        self.register_buffer("columns", torch.arange(16))
         if extra:
             self.extra = nn.Linear(4, 4)  # registered last: only this rank has it
         self.trigger = _Trigger()
@@ -79,7 +112,8 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor, branch: bool = False) -> torch.Tensor:
         x = torch.relu(self.first(x))
         x = _fire(x, self.trigger)
-        x = torch.relu(self.second(x)).index_select(1, self.columns)
+        # Inside the second graph: armed, it raises half-way, the head's gather possibly in flight.
+        x = tripwire(torch.relu(self.second(x)))
         if branch:  # data-dependent control flow on one rank: a graph only it compiles
             x = x * 2
         return self.head(x)
@@ -98,21 +132,34 @@ class Swapped(nn.Module):
         return then(first(x))
 
 
+def on(device: str) -> torch.device:
+    """`device` as a torch.device: "cuda" is this rank's GPU (the current device)."""
+    if device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device)
+
+
 def build(
-    timeout: float | None, backend: str = "eager", **kwargs: Any
+    timeout: float | None, backend: str = "eager", device: str = "cpu", **kwargs: Any
 ) -> tuple[Net, torch.optim.Optimizer]:
-    """Net under zrs.compile with `backend`, or under zrs.shard (`backend="shard"`)."""
+    """Net on `device` under zrs.compile with `backend`, or under zrs.shard (`backend="shard"`)."""
     torch.manual_seed(0)
+    net = Net().to(on(device))
     if backend == "shard":
-        model = zrs.shard(Net(), timeout=timeout, **kwargs)
+        model = zrs.shard(net, timeout=timeout, **kwargs)
     else:
-        model = zrs.compile(Net(), backend=backend, timeout=timeout, **kwargs)
+        model = zrs.compile(net, backend=backend, timeout=timeout, **kwargs)
     return model, torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
 
 
-def batch(rank: int, step: int, rows: int = 6) -> torch.Tensor:
+def batch(rank: int, step: int, rows: int = 6, device: str = "cpu") -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(rows, 8, generator=g)
+    return torch.randn(rows, 8, generator=g).to(on(device))
+
+
+def batches(rank: int, steps: int, device: str, rows: Callable[[int], int] = lambda _: 6) -> list:
+    """This rank's batches of `steps` steps on `device`, made before any fault (module docstring)."""
+    return [batch(rank, step, rows(step), device) for step in range(steps)]
 
 
 def _store() -> dist.Store:
@@ -148,14 +195,15 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
 
 
 def all_ranks_raise(
-    rank: int, world: int, timeout: float, backend: str = "eager"
+    rank: int, world: int, timeout: float, backend: str = "eager", device: str = "cpu"
 ) -> dict[str, Any]:
     """Every rank raises in the forward between graphs (step 1), the backward (step 2), the
     optimizer step (step 3) and the forward inside a graph (step 4), catches it and skips the
     batch; the parameters must equal those of a run that skipped those batches cleanly. Also
     reports the timeouts of the model's communicators."""
-    failing, failing_opt = build(timeout, backend)
-    clean, clean_opt = build(timeout, backend)
+    failing, failing_opt = build(timeout, backend, device)
+    clean, clean_opt = build(timeout, backend, device)
+    xs = batches(rank, STEPS, device)
 
     def refuse(*_: Any) -> None:
         raise Fault("optimizer step refused")
@@ -172,9 +220,9 @@ def all_ranks_raise(
                 model.trigger.backward = _raise("backward")
             hook = opt.register_step_pre_hook(refuse) if faulty and step == 3 else None
             if faulty and step == 4:
-                model.columns.fill_(99)  # index_select raises inside the graph
+                arm_tripwire()  # raises inside the second graph
             try:
-                model(batch(rank, step)).square().mean().backward()
+                model(xs[step]).square().mean().backward()
                 opt.step()
             except Fault as e:
                 caught.append(str(e))
@@ -184,7 +232,6 @@ def all_ranks_raise(
                 opt.zero_grad()
             if hook is not None:
                 hook.remove()
-            model.columns.copy_(torch.arange(16))
     same = all(torch.equal(a, b) for a, b in zip(_params(failing), _params(clean), strict=True))
     state = failing._zrs_state
     groups = [state.gather_group, state.reduce_group, state.control_group]
@@ -197,11 +244,12 @@ def all_ranks_raise(
 
 
 def one_rank_raises(
-    rank: int, world: int, timeout: float, phase: str, backend: str = "eager"
+    rank: int, world: int, timeout: float, phase: str, backend: str = "eager", device: str = "cpu"
 ) -> dict[str, Any]:
     """Rank 1 raises in `phase` ("forward", "backward" or "optimizer") at step 1; every rank
     catches what it gets and goes on with the next batch, as a skip-on-error loop does."""
-    model, opt = build(timeout, backend)
+    model, opt = build(timeout, backend, device)
+    xs = batches(rank, 4, device)
     name = f"one_rank_{phase}"
     errors: list[dict[str, Any]] = []
 
@@ -222,7 +270,7 @@ def one_rank_raises(
             else None
         )
         try:
-            model(batch(rank, step)).square().mean().backward()
+            model(xs[step]).square().mean().backward()
             opt.step()
         except Exception as e:
             errors.append(_record(name, e))
@@ -242,18 +290,26 @@ def _expect_error(name: str, run: Callable[[], None]) -> dict[str, Any]:
     return {"error": "", "kind": "", "seconds": 0.0}
 
 
-def disagreements(rank: int, world: int, timeout: float) -> dict[str, dict[str, Any]]:
+def disagreements(
+    rank: int,
+    world: int,
+    timeout: float,
+    cases: tuple[str, ...] | None = None,
+    device: str = "cpu",
+) -> dict[str, dict[str, Any]]:
     """Ranks that differ in the model, the options, the forwards, the optimizer steps, the
     mode or a branch; each case with fresh models, its fault marked at the call where the ranks
-    part. Every case must raise on every rank."""
+    part. Every case must raise on every rank. `cases`: the names of the cases to run (default
+    all, in their order)."""
     out = {}
     case = ""
+    dev = on(device)
 
     def mark() -> None:
         mark_fault(case)
 
     def extra_parameter() -> None:
-        net = Net(extra=rank == 1)
+        net = Net(extra=rank == 1).to(dev)
         mark()
         zrs.compile(net, backend="eager", timeout=timeout)
 
@@ -261,64 +317,71 @@ def disagreements(rank: int, world: int, timeout: float) -> dict[str, dict[str, 
         model = nn.Module()
         names = ["a", "b"] if rank == 0 else ["b", "a"]
         model.layers = nn.ModuleDict({n: nn.Linear(4, 4 if n == "a" else 8) for n in names})
+        model.to(dev)
         mark()
         zrs.compile(model, backend="eager", timeout=timeout)
 
     def memory_budget() -> None:
         mark()
-        zrs.compile(Net(), backend="eager", timeout=timeout, memory_budget=(rank + 1) << 30)
+        zrs.compile(Net().to(dev), backend="eager", timeout=timeout, memory_budget=(rank + 1) << 30)
 
     def extra_forward() -> None:
-        model, opt = build(timeout)
+        model, opt = build(timeout, device=device)
+        xs = batches(rank, 3, device)
         for step in range(3):
-            model(batch(rank, step)).sum().backward()
+            model(xs[step]).sum().backward()
             if step == 1:
                 mark()
                 if rank == 0:  # one more micro-batch on rank 0
-                    model(batch(rank, step)).sum().backward()
+                    model(xs[step]).sum().backward()
             opt.step()
 
     def one_rank_steps() -> None:
-        model, opt = build(timeout)
+        model, opt = build(timeout, device=device)
+        xs = batches(rank, 3, device)
         for step in range(3):
-            model(batch(rank, step)).sum().backward()
+            model(xs[step]).sum().backward()
             if step == 1:
                 mark()
             if rank == 0 or step != 1:
                 opt.step()
 
     def eval_on_one_rank() -> None:
-        model, _ = build(timeout)
-        model(batch(rank, 0)).sum().backward()
+        model, _ = build(timeout, device=device)
+        xs = batches(rank, 2, device)
+        model(xs[0]).sum().backward()
         mark()
         model.train(rank == 1)
         with torch.no_grad():
-            model(batch(rank, 1))
+            model(xs[1])
 
     def shape_on_one_rank() -> None:
-        model, opt = build(timeout)
+        model, opt = build(timeout, device=device)
+        # A size of 1 is never symbolic: rank 1 recompiles alone at step 1.
+        xs = batches(rank, 3, device, rows=lambda step: 1 if rank == 1 and step == 1 else 6)
         for step in range(3):
             if step == 1:
                 mark()
-            rows = 1 if rank == 1 and step == 1 else 6  # a size of 1 is never symbolic: a recompile
-            model(batch(rank, step, rows)).sum().backward()
+            model(xs[step]).sum().backward()
             opt.step()
 
     def module_order_on_one_rank() -> None:
         """zrs.shard: the same modules, run in another order on rank 1 from the first step."""
-        model = zrs.shard(Swapped(swap=rank == 1), timeout=timeout)
+        model = zrs.shard(Swapped(swap=rank == 1).to(dev), timeout=timeout)
+        x = torch.ones(2, 4, device=dev)
         mark()
-        model(torch.ones(2, 4)).sum().backward()
+        model(x).sum().backward()
 
     def branch_on_one_rank() -> None:
-        model, opt = build(timeout)
+        model, opt = build(timeout, device=device)
+        xs = batches(rank, 3, device)
         for step in range(3):
             if step == 1:
                 mark()
-            model(batch(rank, step), branch=rank == 1 and step == 1).sum().backward()
+            model(xs[step], branch=rank == 1 and step == 1).sum().backward()
             opt.step()
 
-    cases = {
+    every = {
         "extra_parameter": extra_parameter,
         "parameter_order": parameter_order,
         "memory_budget": memory_budget,
@@ -329,9 +392,10 @@ def disagreements(rank: int, world: int, timeout: float) -> dict[str, dict[str, 
         "branch_on_one_rank": branch_on_one_rank,
         "module_order_on_one_rank": module_order_on_one_rank,
     }
-    for case, run in cases.items():
+    chosen = list(every) if cases is None else cases
+    for case in chosen:
         dist.barrier()  # every case starts together
-        out[case] = _expect_error(case, run)
+        out[case] = _expect_error(case, every[case])
     return out
 
 
@@ -339,16 +403,26 @@ def disagreements(rank: int, world: int, timeout: float) -> dict[str, dict[str, 
 
 
 def peer_lost(
-    rank: int, world: int, timeout: float, how: str, group_timeout: bool = False
+    rank: int,
+    world: int,
+    timeout: float,
+    how: str,
+    group_timeout: bool = False,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Rank 1 stops (SIGSTOP, `how="stop"`) or is killed (SIGKILL, `how="kill"`) in its backward
     at step 1; the surviving ranks must raise within the timeout, and refuse to run on.
-    `group_timeout`: the timeout is the process group's (`new_group(timeout=)`), not zrs's."""
+    `group_timeout`: the timeout is the process group's (`new_group(timeout=)`), not zrs's.
+
+    Under gloo the survivor's first error comes in the step of the fault (its collective waits on
+    the host) and the next at step 2; under NCCL the first comes from the step check before step
+    2 (the host does not wait in NCCL collectives) and the next at step 3."""
     if group_timeout:
         group = dist.new_group(timeout=datetime.timedelta(seconds=timeout))
-        model, opt = build(None, process_group=group)
+        model, opt = build(None, device=device, process_group=group)
     else:
-        model, opt = build(timeout)
+        model, opt = build(timeout, device=device)
+    xs = batches(rank, 4, device)
     name = f"peer_{how}"
 
     def lose() -> None:
@@ -356,11 +430,11 @@ def peer_lost(
         os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
 
     first: dict[str, Any] = {}
-    for step in range(3):
+    for step in range(4):
         if rank == 1 and step == 1:
             model.trigger.backward = lose
         try:
-            model(batch(rank, step)).square().mean().backward()
+            model(xs[step]).square().mean().backward()
             opt.step()
         except Exception as e:
             if first:
@@ -371,3 +445,27 @@ def peer_lost(
                 }
             first = _record(name, e)
     return first
+
+
+# --- several scenarios in one process group -----------------------------------------------------
+
+
+def in_turn(
+    rank: int, world: int, calls: list[tuple[str, Callable[..., Any], tuple]]
+) -> dict[str, Any]:
+    """Run `fn(rank, world, *args)` for each `(key, fn, args)` of `calls` in turn, each scenario
+    with its own models, all ranks starting each together (a barrier on a gloo group, which no
+    stuck GPU collective can hold up); {key: its result, or {"failed": traceback} if it raised}.
+
+    Under NCCL only the last scenario may leave a collective that a peer never joins: it blocks
+    the stream of every later step, and the NCCL watchdog takes the process down a while after
+    its timeout (docs/faults.md)."""
+    sync = dist.new_group(backend="gloo")
+    out: dict[str, Any] = {}
+    for key, fn, args in calls:
+        dist.barrier(group=sync)
+        try:
+            out[key] = fn(rank, world, *args)
+        except Exception:
+            out[key] = {"failed": traceback.format_exc()}
+    return out

@@ -91,6 +91,19 @@ def val(node: fx.Node):
     return node.meta.get("val")
 
 
+def rank_local_inputs(graph: fx.Graph) -> set[fx.Node]:
+    """The graph's symbolic integer inputs that no op reads (at most the output passes them on,
+    for the backward). Dynamo makes a tensor input's storage offset a symbol where it is not 0 or
+    1 (a batch `X[rank]` on rank 1, not on rank 0), so such an input exists on some ranks only;
+    no collective depends on it. The rank check, the size hints and the planner IR leave them
+    out, so that every rank compares and plans alike."""
+    return {
+        n
+        for n in graph.find_nodes(op="placeholder")
+        if isinstance(val(n), torch.SymInt) and all(u.op == "output" for u in n.users)
+    }
+
+
 def tensors_in(value) -> list[torch.Tensor]:
     """The tensors in a node's value: itself, or those in a (nested) tuple or list."""
     if isinstance(value, torch.Tensor):

@@ -5,6 +5,11 @@ different collectives and deadlock. Each rank hashes a signature of its lowered 
 are compared in one small exchange (`zrs.runtime.exchange`, which cannot deadlock under gloo as
 `all_gather_object` can), and only on a mismatch are the signatures exchanged to name the first
 differing node.
+
+The signature holds what must agree and nothing that legitimately differs per rank: ops, shapes,
+dtypes and constants, but no node names, addresses, device indices (rank r computes on `cuda:r`),
+and no unused symbolic input (a batch `X[rank]` is a view at another storage offset on each
+rank, which dynamo makes an input symbol on some ranks only: `_fx.rank_local_inputs`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch.distributed as dist
 from torch import fx
 
 from zrs._core import ZrsError
+from zrs.compiler._fx import rank_local_inputs
 from zrs.runtime.exchange import all_gather_bytes, first_difference
 
 
@@ -27,6 +33,7 @@ def _describe(value) -> str:
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+_NUMBERED = re.compile(r"_\d+$")
 
 
 def _stable(x: Any, index: dict[fx.Node, int]) -> str:
@@ -35,8 +42,8 @@ def _stable(x: Any, index: dict[fx.Node, int]) -> str:
     qualified name instead."""
     if isinstance(x, fx.Node):
         return f"%{index[x]}"
-    if isinstance(x, (list, tuple)):
-        inner = ", ".join(_stable(v, index) for v in x)
+    if isinstance(x, (list, tuple)):  # without the inputs left out of `index`
+        inner = ", ".join(_stable(v, index) for v in x if not isinstance(v, fx.Node) or v in index)
         return f"[{inner}]" if isinstance(x, list) else f"({inner})"
     if isinstance(x, dict):
         return "{" + ", ".join(f"{k}: {_stable(v, index)}" for k, v in x.items()) + "}"
@@ -46,16 +53,31 @@ def _stable(x: Any, index: dict[fx.Node, int]) -> str:
         return f"{getattr(x, '__module__', None) or '?'}.{x.__qualname__}"
     if isinstance(x, torch.Tensor):  # a constant the graph holds: its kind, not its address
         return _describe(x)
+    if isinstance(x, torch.device):  # each rank's own device: its kind, not its index
+        return f"device({x.type})"
     return _ADDRESS.sub("", repr(x))
 
 
+def _without_none(x: Any) -> Any:
+    """A backward's outputs without their Nones: it returns one per input of the forward that gets
+    no gradient, and the symbolic inputs (`rank_local_inputs`) are among them on some ranks."""
+    if isinstance(x, (list, tuple)):
+        return type(x)(_without_none(v) for v in x if v is not None)
+    return x
+
+
 def signature(graph: fx.Graph) -> list[str]:
-    """One line per node: op, target, constant arguments and output shape; no names."""
-    index = {n: i for i, n in enumerate(graph.nodes)}
+    """One line per node: op, target, constant arguments and output shape; no names, and no line
+    for an input that may differ per rank without changing any collective."""
+    local = rank_local_inputs(graph)
+    nodes = [n for n in graph.nodes if n not in local]
+    index = {n: i for i, n in enumerate(nodes)}
     lines = []
-    for n in graph.nodes:
-        call = _stable(n.target, index)
-        args = _stable(tuple(n.args), index)
+    for n in nodes:
+        # An input's name counts its kind (primals_6 after a left-out primals_5): keep the kind.
+        target = _NUMBERED.sub("", n.target) if n.op == "placeholder" else n.target
+        call = _stable(target, index)
+        args = _stable(_without_none(n.args) if n.op == "output" else tuple(n.args), index)
         kwargs = f" {_stable(dict(n.kwargs), index)}" if n.kwargs else ""
         lines.append(f"{n.op} {call} {args}{kwargs} -> {_describe(n.meta.get('val'))}")
     return lines

@@ -1,4 +1,6 @@
-"""The planner IR of a lowered FX graph (``docs/planner.md``): one IR node per FX node, same index.
+"""The planner IR of a lowered FX graph (``docs/planner.md``): one IR node per FX node, in the
+graph's order, but for the unread symbolic inputs that only some ranks have
+(``_fx.rank_local_inputs``).
 
 * ``allgather_param`` -> ``allgather`` (``bytes``: the gathered tensor, numel x itemsize;
   ``dtype``: the gathered dtype, which the planner fuses only with its like);
@@ -39,7 +41,15 @@ from typing import Any
 import torch
 from torch import fx
 
-from zrs.compiler._fx import alias_closure, is_op, is_view, region_body, tensors_in, val
+from zrs.compiler._fx import (
+    alias_closure,
+    is_op,
+    is_view,
+    rank_local_inputs,
+    region_body,
+    tensors_in,
+    val,
+)
 from zrs.compiler.profile import SYMBOLIC_DIM, SizeHints, concrete
 
 # Analytic compute rates per device type: (FLOP/s, bytes/s, floor in microseconds). CUDA is an
@@ -335,9 +345,10 @@ def build_ir(
     the same on every rank); without them each counts as ``SYMBOLIC_DIM``.
     """
     hints = hints or {}
-    nodes = list(graph.nodes)
+    local = rank_local_inputs(graph)  # unread inputs some ranks lack: every rank's IR alike
+    nodes = [n for n in graph.nodes if n not in local]
     index = {n: i for i, n in enumerate(nodes)}
-    deps = [{index[a] for a in n.all_input_nodes} for n in nodes]
+    deps = [{index[a] for a in n.all_input_nodes if a in index} for n in nodes]
     _ordering_deps(nodes, index, deps)
     alloc, free = _memory(nodes, index, hints)
     base = _consumed_inputs(nodes, index, free, hints) if is_backward else 0

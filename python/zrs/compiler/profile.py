@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from zrs import planner as zplan
 from zrs._core import ZrsError
-from zrs.compiler._fx import OPS, val
+from zrs.compiler._fx import OPS, rank_local_inputs, val
 from zrs.runtime import collectives
 from zrs.runtime.exchange import all_gather_bytes
 
@@ -89,7 +89,10 @@ def size_hints(graph: fx.Graph, group: dist.ProcessGroup | None) -> dict[Any, in
     Ranks that see different lengths hold different hints; the planner must size the graph
     alike everywhere, and the largest plans for the worst case."""
     symbols: dict[str, tuple[Any, Any]] = {}
+    local = rank_local_inputs(graph)
     for n in graph.find_nodes(op="placeholder"):
+        if n in local:
+            continue
         for s in symints(val(n)):
             for sym in s.node.expr.free_symbols:
                 symbols.setdefault(str(sym), (sym, s.node.shape_env))

@@ -99,6 +99,12 @@ def test_group_ops(handles):
     fulls = torch.ops.zrs.wait_allgathers(token, 0, ids, dtypes)
     for h, full in zip(handles, fulls, strict=True):
         torch.testing.assert_close(full, h.shard.detach().view(h.shape))
+    # Inductor's CUDA code asserts that each starts 16-byte aligned (a 15-element weight leaves
+    # the next member unaligned if packed tight), and reads that from the fake, which must agree.
+    with torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True):
+        fakes = torch.ops.zrs.wait_allgathers(token, 0, ids, dtypes)
+    assert [f.storage_offset() for f in fakes] == [f.storage_offset() for f in fulls]
+    assert all(f.storage_offset() * f.element_size() % 16 == 0 for f in fulls), fulls
     state = handles[0].state
     assert all(state.registry.info(h.slot).holders == 1 for h in handles)
     torch.ops.zrs.release_params(fulls, 0, ids, [False] * len(ids))

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from zrs._core import ZrsError
 from zrs.runtime import streams
 from zrs.runtime.collectives import all_gather
-from zrs.runtime.handles import ParamHandle, handle, handles, names
+from zrs.runtime.handles import ParamHandle, group_layout, handle, handles, names
 from zrs.runtime.state import StepState, ZeroState
 
 Todo = list[tuple[ParamHandle, torch.Tensor, torch.dtype]]
@@ -194,11 +194,11 @@ def _group_buffer(
     st: StepState, hs: list[ParamHandle], dtype: torch.dtype, device: torch.device
 ) -> Flat:
     """One buffer for the gathered members of a fused gather; each member's buffer a view."""
-    sizes = [h.padded_numel for h in hs]
-    buf = torch.empty(sum(sizes), dtype=dtype, device=device)
+    starts, length = group_layout([h.padded_numel for h in hs], dtype.itemsize)
+    buf = torch.empty(length, dtype=dtype, device=device)
     flat = Flat(buf, len(hs))
-    for h, view in zip(hs, buf.split_with_sizes(sizes), strict=True):
-        _set_buffer(st, h, view)
+    for h, start in zip(hs, starts, strict=True):
+        _set_buffer(st, h, buf.narrow(0, start, h.padded_numel))
         st.flat_of[h.ds_id] = flat
     return flat
 
@@ -210,7 +210,9 @@ def _copy_in(todo: Todo, flat: Flat | None) -> None:
         h, s, _ = todo[0]
         h.state.step.buffers[h.ds_id].copy_(s.reshape(-1))
         return
-    torch.ops.zrs.pack_cast([s for _, s, _ in todo], flat.buf)
+    # Into each member's own buffer: they sit at aligned starts, not packed tight (group_layout).
+    buffers = [h.state.step.buffers[h.ds_id] for h, _, _ in todo]
+    torch._foreach_copy_(buffers, [s.reshape(-1) for _, s, _ in todo])
 
 
 def _start_gather(

@@ -27,6 +27,20 @@ if TYPE_CHECKING:
 
 
 UNRESOLVED = -1  # the ds_id of a gather as the gather property traces it (compiler/regions.py)
+# Inductor's CUDA code assumes, and asserts, that a custom op's outputs start 16-byte aligned.
+ALIGN_BYTES = 16
+
+
+def group_layout(numels: list[int], itemsize: int) -> tuple[list[int], int]:
+    """Where each member of a fused gather's group buffer starts (elements), each 16-byte
+    aligned, and the buffer's length. The runtime and the op's fake share it: inductor reads the
+    alignment of the outputs from the fake."""
+    step = max(1, ALIGN_BYTES // itemsize)
+    starts, end = [], 0
+    for n in numels:
+        starts.append(end)
+        end += -(-n // step) * step
+    return starts, end
 
 
 @dataclass(eq=False)

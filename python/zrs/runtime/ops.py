@@ -248,8 +248,10 @@ def _wait_allgathers(token, graph_id, ds_ids, dtypes):
 def _wait_allgathers_fake(token, graph_id, ds_ids, dtypes):
     # A group's members are views of one buffer (gather.Flat); a group has one dtype.
     hs = [handles.handle(i) for i in ds_ids]
-    flat = token.new_empty(sum(h.numel for h in hs), dtype=_as_dtype(dtypes[0]))
-    return [v.view(h.shape) for h, v in zip(hs, flat.split([h.numel for h in hs]), strict=True)]
+    dtype = _as_dtype(dtypes[0])
+    starts, length = handles.group_layout([h.padded_numel for h in hs], dtype.itemsize)
+    flat = token.new_empty(length, dtype=dtype)
+    return [flat.narrow(0, s, h.numel).view(h.shape) for h, s in zip(hs, starts, strict=True)]
 
 
 @_impl("release_params")

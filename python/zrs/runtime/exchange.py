@@ -201,13 +201,18 @@ class Peers:
         if not self.store.check([key]):  # only this rank writes its key: no race
             self.store.set(key, why)
 
+    def notes(self) -> str | None:
+        """The reasons the other ranks left (`note`), without waiting; None if there are none."""
+        failed = [f"{self.prefix}/failed/rank{r}" for r in range(self.world) if r != self.rank]
+        notes = [self.store.get(k).decode() for k in failed if self.store.check([k])]
+        return "; ".join(notes) or None
+
     def explain(self) -> str | None:
         """Why a collective of this rank failed, if a peer left a reason: it waits at (or gave
         up on) a compile that this rank never reached, or it noted an error; None otherwise."""
-        failed = [f"{self.prefix}/failed/rank{r}" for r in range(self.world) if r != self.rank]
-        notes = [self.store.get(k).decode() for k in failed if self.store.check([k])]
-        if notes:
-            return "; ".join(notes)
+        notes = self.notes()
+        if notes is not None:
+            return notes
         diverged = f"{self.prefix}/diverged"
         # Only compiles arrive (zrs.shard never does): a key no rank set would block a get.
         at_keys = [f"{self.prefix}/at/rank{r}" for r in range(self.world)]

@@ -261,11 +261,14 @@ class ZeroState:
             f"rank {r}: " + ", ".join(f"{v} {n}" for v, n in zip(row, STEP_COUNTERS, strict=True))
             for r, row in enumerate(everyone)
         )
+        # Under NCCL a peer that raised mid-step is found here, not at a collective: its reason.
+        why = self.peers.notes() if self.peers is not None else None
         message = (
             f"the ranks disagree before forward call {self.forwards} on the {' and '.join(differ)} "
-            f"({table}): a rank ran a forward, a backward or an optimizer.step() that the others "
-            "did not (or one raised), or differs in model.train()/eval() or torch.no_grad(). "
-            "Every rank must run the same steps; this job cannot go on"
+            f"({table}{'; ' + why if why else ''}): a rank ran a forward, a backward or an "
+            "optimizer.step() that the others did not (or one raised), or differs in "
+            "model.train()/eval() or torch.no_grad(). Every rank must run the same steps; this "
+            "job cannot go on: restart it, from the last checkpoint"
         )
         self.broken = message
         raise ZrsError(message)

@@ -25,13 +25,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
+import checkpointing as ckpt
 from _dist import cached_run
-from zoo import LR, MOMENTUM, spec_of
+from zoo import spec_of
 
 pytestmark = pytest.mark.slow
 
@@ -58,67 +56,11 @@ def _root() -> str:
     return root
 
 
-def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
-    return torch.optim.AdamW(params, lr=1e-2)
-
-
-def _sharded(spec: Any, backend: str) -> torch.nn.Module:
-    import zrs
-
-    if backend == "shard":
-        return zrs.shard(spec.build())
-    return zrs.compile(spec.build(), backend=backend)
-
-
-def _new(run: tuple[str, ...]) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
-    spec = spec_of(run[0])
-    model = _sharded(spec, run[1])
-    return spec, model, _optimizer(run[2], model.parameters())
-
-
-def _train(spec: Any, model: Any, opt: torch.optim.Optimizer, rank: int, steps: range) -> None:
-    for step in steps:
-        opt.zero_grad(set_to_none=True)
-        spec.loss(model, spec.batch(rank, step)).backward()
-        opt.step()
-
-
-def _full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """The model's and the optimizer's state as full CPU tensors, keyed by parameter name.
-
-    Gathered through zrs's own collectives: DTensor's redistribution runs gloo collectives
-    whose buffers a worker thread may free (one rank of the full suite died in free() inside
-    `get_optimizer_state_dict(full_state_dict=True)`; zrs.runtime.exchange says why zrs keeps its own
-    alive)."""
-    import zrs
-    from zrs.runtime import collectives
-    from zrs.runtime.handles import ParamHandle
-
-    handles = {id(h.param): h for h in model._zrs_state.handles}
-
-    def full(h: ParamHandle, value: torch.Tensor) -> torch.Tensor:
-        if not isinstance(value, DTensor):
-            return value.detach().cpu().clone()
-        flat = torch.zeros(h.shard_numel, dtype=value.dtype, device=value.device)
-        flat[: h.local_numel] = value.to_local().reshape(-1)
-        return collectives.gather_full(h, flat, None).clone()
-
-    optim = {
-        name: {k: full(handles[id(p)], v) for k, v in opt.state[p].items()}
-        for name, p in model.named_parameters()
-        if p in opt.state
-    }
-    return {"model": zrs.full_state_dict(model, cpu_offload=True), "optim": optim}
-
-
 def _save(run: tuple[str, ...], model: Any, opt: torch.optim.Optimizer, where: str) -> None:
     import zrs
 
     if run[3] == "dcp":  # PyTorch's recipe, as FSDP2 users write it
-        model_sd, optim_sd = get_state_dict(model, opt)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=where)
+        ckpt.dcp_save(model, opt, where)
     elif run[3] == "zrs_async":
         zrs.checkpoint.save(where, model, opt, extra={"step": K}, async_save=True).result()
     else:
@@ -129,12 +71,7 @@ def _load(run: tuple[str, ...], model: Any, opt: torch.optim.Optimizer, where: s
     import zrs
 
     if run[3] == "dcp":
-        model_sd, optim_sd = get_state_dict(model, opt)
-        content = {"model": model_sd, "optim": optim_sd}
-        dcp.load(content, checkpoint_id=where)
-        set_state_dict(
-            model, opt, model_state_dict=content["model"], optim_state_dict=content["optim"]
-        )
+        ckpt.dcp_load(model, opt, where)
     else:
         assert zrs.checkpoint.load(where, model, opt) == {"step": K}
 
@@ -145,12 +82,12 @@ def _load(run: tuple[str, ...], model: Any, opt: torch.optim.Optimizer, where: s
 def _first_group(rank: int, world: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for run in RUNS:
-        spec, model, opt = _new(run)
-        _train(spec, model, opt, rank, range(K))
+        spec, model, opt = ckpt.new(run)
+        ckpt.train(spec, model, opt, rank, range(K))
         _save(run, model, opt, os.path.join(root, _name(run)))
-        out[("saved", run)] = _full(model, opt)
-        _train(spec, model, opt, rank, range(K, 2 * K))
-        out[("uninterrupted", run)] = _full(model, opt)["model"]
+        out[("saved", run)] = ckpt.full(model, opt)
+        ckpt.train(spec, model, opt, rank, range(K, 2 * K))
+        out[("uninterrupted", run)] = ckpt.full(model, opt)["model"]
     for backend in CALLS:
         out[backend] = _ordinary_calls(rank, root, backend)
     out.update(_bad_checkpoints(rank, root))
@@ -161,7 +98,7 @@ def _ordinary_calls(rank: int, root: str, backend: str) -> dict[str, Any]:
     import zrs
 
     out: dict[str, Any] = {}
-    spec, model, opt = _new(("hf_gpt2", backend, "sgd"))
+    spec, model, opt = ckpt.new(("hf_gpt2", backend, "sgd"))
     calls: list[bool] = []
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: calls.append(p.grad is not None))
@@ -197,7 +134,7 @@ def _full_state_dicts(rank: int, root: str, spec: Any, backend: str) -> dict[str
         for p in plain.parameters():
             p.mul_(-0.5)  # weights that differ from the model's own
     full = plain.state_dict()
-    model = _sharded(spec, backend)
+    model = ckpt.sharded(spec, backend)
     model.load_state_dict(full)  # before the first step
     out["loaded_before"] = _same(zrs.full_state_dict(model), full)
     spec.loss(model, spec.batch(rank, 0)).backward()
@@ -251,15 +188,15 @@ def _bad_checkpoints(rank: int, root: str) -> dict[str, Any]:
     dist.barrier()
     out = {}
     for kind, where in cases.items():
-        spec, model, opt = _new(RUNS[1])
-        _train(spec, model, opt, rank, range(1))
-        before = _full(model, opt)
+        spec, model, opt = ckpt.new(RUNS[1])
+        ckpt.train(spec, model, opt, rank, range(1))
+        before = ckpt.full(model, opt)
         try:
             zrs.checkpoint.load(where, model, opt)
             error = None
         except zrs.ZrsError as e:
             error = str(e)
-        after = _full(model, opt)
+        after = ckpt.full(model, opt)
         unchanged = _same(before["model"], after["model"]) and all(
             _same(before["optim"][k], after["optim"][k]) for k in before["optim"]
         )
@@ -273,9 +210,9 @@ def _bad_checkpoints(rank: int, root: str) -> dict[str, Any]:
 def _load_group(rank: int, world: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for run in RUNS:
-        _, model, opt = _new(run)
+        _, model, opt = ckpt.new(run)
         _load(run, model, opt, os.path.join(root, _name(run)))
-        out[("loaded", run)] = _full(model, opt)
+        out[("loaded", run)] = ckpt.full(model, opt)
         if world == 3 and run == RUNS[0]:
             _save((*run[:3], "zrs"), model, opt, os.path.join(root, "from-w3"))
     return out
@@ -284,14 +221,14 @@ def _load_group(rank: int, world: int, root: str) -> dict[str, Any]:
 def _resume_group(rank: int, world: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for run in RUNS:
-        spec, model, opt = _new(run)
+        spec, model, opt = ckpt.new(run)
         _load(run, model, opt, os.path.join(root, _name(run)))
-        _train(spec, model, opt, rank, range(K, 2 * K))
-        out[("resumed", run)] = _full(model, opt)["model"]
+        ckpt.train(spec, model, opt, rank, range(K, 2 * K))
+        out[("resumed", run)] = ckpt.full(model, opt)["model"]
     run = (*RUNS[0][:3], "zrs")
-    spec, model, opt = _new(run)
+    spec, model, opt = ckpt.new(run)
     _load(run, model, opt, os.path.join(root, "from-w3"))
-    out[("loaded_w3", run)] = _full(model, opt)
+    out[("loaded_w3", run)] = ckpt.full(model, opt)
     return out
 
 
@@ -312,32 +249,23 @@ def _calls(backend: str) -> list[dict[str, Any]]:
     return [r[backend] for r in _group("first")["all_ranks"]]
 
 
-def _assert_equal(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
-    assert got.keys() == want.keys(), f"{what}: keys differ"
-    for key in want:
-        if isinstance(want[key], dict):
-            _assert_equal(got[key], want[key], f"{what} {key}")
-        elif isinstance(want[key], torch.Tensor):
-            assert torch.equal(got[key], want[key]), f"{what}: {key} differs"
-
-
 @pytest.mark.parametrize("run", RUNS, ids=_name)
 def test_resume_is_bit_exact(run):
     first, resumed = _group("first"), _group("resume")
-    _assert_equal(resumed[("resumed", run)], first[("uninterrupted", run)], "resumed")
+    ckpt.assert_equal(resumed[("resumed", run)], first[("uninterrupted", run)], "resumed")
 
 
 @pytest.mark.parametrize("world", [1, 3])
 @pytest.mark.parametrize("run", RUNS, ids=_name)
 def test_a_checkpoint_of_2_ranks_loads_on(world, run):
     first, loaded = _group("first"), _group(f"w{world}")
-    _assert_equal(loaded[("loaded", run)], first[("saved", run)], f"loaded on {world}")
+    ckpt.assert_equal(loaded[("loaded", run)], first[("saved", run)], f"loaded on {world}")
 
 
 def test_a_checkpoint_of_3_ranks_loads_on_2():
     first, resumed = _group("first"), _group("resume")
     run = (*RUNS[0][:3], "zrs")
-    _assert_equal(resumed[("loaded_w3", run)], first[("saved", RUNS[0])], "3 -> 2")
+    ckpt.assert_equal(resumed[("loaded_w3", run)], first[("saved", RUNS[0])], "3 -> 2")
 
 
 def test_dcp_to_torch_save_loads_into_the_plain_model(tmp_path):
@@ -347,7 +275,7 @@ def test_dcp_to_torch_save_loads_into_the_plain_model(tmp_path):
     saved = torch.load(tmp_path / "full.pt", weights_only=False)["model"]
     plain = spec_of(run[0]).build()
     plain.load_state_dict(saved, strict=True)
-    _assert_equal(plain.state_dict(), first[("saved", run)]["model"], "dcp_to_torch_save")
+    ckpt.assert_equal(plain.state_dict(), first[("saved", run)]["model"], "dcp_to_torch_save")
 
 
 @pytest.mark.parametrize("backend", CALLS)

@@ -17,15 +17,14 @@ import pytest
 import torch
 
 from _dist import cached_run, reemit_warnings
+from checks import compiled_problems, fp32_problems
 from zoo import (
     ZOO,
     Case,
     Reference,
     case_outcome,
-    compare_params,
     run_cases,
     train_reference,
-    unexpected_graph_breaks,
 )
 
 WORLD_SIZES = (1, 2, 3)
@@ -80,25 +79,9 @@ def _run(
 @pytest.mark.parametrize(("backend", "world", "model"), PARAMS)
 def test_matches_reference(backend: str, world: int, model: str) -> None:
     per_rank, ref = _run(backend, world, model, brief=False)
-    spec = ZOO[model]
-    state = per_rank[0]["state"]
-    problems = []
-
-    for rank, r in enumerate(per_rank):
-        for step, (got, exp) in enumerate(zip(r["losses"], ref.losses, strict=True)):
-            if not math.isclose(got, exp[rank], rel_tol=LOSS_RTOL, abs_tol=LOSS_ATOL):
-                problems.append(f"loss of rank {rank} at step {step}: {got!r} != {exp[rank]!r}")
-
-    problems += compare_params(state, ref.final, rtol=RTOL, atol=ATOL)
-
-    for name in spec.frozen:
-        if name in state and not torch.equal(state[name], ref.init[name]):
-            problems.append(f"{name}: frozen but changed")
-    for names in spec.tied:
-        present = [n for n in names if n in state]
-        if any(not torch.equal(state[present[0]], state[n]) for n in present[1:]):
-            problems.append(f"tied parameters {present} differ from each other")
-
+    problems = fp32_problems(
+        per_rank, ZOO[model], ref, rtol=RTOL, atol=ATOL, loss_rtol=LOSS_RTOL, loss_atol=LOSS_ATOL
+    )
     if problems:
         pytest.fail(
             f"{model} (world {world}, backend {backend}) differs from the unsharded reference "
@@ -163,20 +146,10 @@ def test_parameters_are_sharded(backend: str, world: int, model: str) -> None:
 
 @pytest.mark.parametrize(("backend", "world", "model"), PARAMS)
 def test_compiled_by_zrs(backend: str, world: int, model: str) -> None:
-    """The zrs backend compiled the whole forward: one graph per frame and no graph break
-    except the model's explicit one (zrs.shard: no graph at all). (When a backend fails on a graph, dynamo falls back with a
-    graph break and runs the code eagerly: the numbers would still match the reference.)"""
+    """The zrs backend compiled the whole forward (checks.compiled_problems)."""
     per_rank, _ = _run(backend, world, model)
-    spec = ZOO[model]
-    expected_graphs = 2 if spec.explicit_graph_break else 1
-    if backend == "shard":
-        expected_graphs = 0  # zrs.shard compiles nothing
-    for rank, r in enumerate(per_rank):
-        bad = unexpected_graph_breaks(spec, r["graph_breaks"])
-        assert not bad, f"rank {rank}: unexpected graph break(s):\n" + "\n---\n".join(bad)
-        assert r["graphs"] == expected_graphs, (
-            f"rank {rank}: dynamo compiled {r['graphs']} graph(s), expected {expected_graphs}"
-        )
+    problems = compiled_problems(per_rank, ZOO[model], backend)
+    assert not problems, "\n---\n".join(problems)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"w{w}")

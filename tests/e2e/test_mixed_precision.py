@@ -7,18 +7,23 @@ test_correctness.py."""
 from __future__ import annotations
 
 import functools
-import math
 
 import pytest
 import torch
 
 from _dist import cached_run, reemit_warnings
+from checks import (
+    BF16_ATOL,
+    BF16_UPDATE_RTOL,
+    MASTER_ATOL,
+    bf16_problems,
+    master_problems,
+)
 from zoo import (
     ZOO,
     Case,
     Reference,
     case_outcome,
-    compare_params,
     run_cases,
     train_reference,
     unexpected_graph_breaks,
@@ -28,21 +33,8 @@ WORLD_SIZES = (1, 2)
 BACKENDS = ("eager", "inductor")
 MODELS = ("mlp", "gpt_tied")
 
-# Tolerance. bf16 keeps 8 significant bits (eps = 2**-8 ~ 3.9e-3, about 2-3 decimal digits), so
-# every gradient carries ~0.4% relative rounding error that compounds through the layers. The two
-# sides are also not the same bf16 computation: zrs runs the whole forward in bf16 (layer norm,
-# softmax, the loss inputs), autocast keeps those ops in fp32. Emulating zrs's bf16 semantics in
-# one process against this reference gave, after 3 steps, at most 7e-4 absolute difference on any
-# GPT parameter and 1.4% of the norm of a parameter's update (the MLP: exact). The bounds below
-# leave about 3x margin, and stay far below what a real bug does: a wrong scale (e.g. no
-# pre-divide) or a mixed-up shard is off by >= 50% of the update. The master weights are fp32 in
-# both, so only the updates (up to ~6e-2) carry bf16 noise; the norm bound is the sharp one for
-# parameters with small updates (layer norms), the elementwise one catches a few bad elements.
-# bf16 vs fp32 training differs by only ~1% of the update, so these bounds cannot tell whether the
-# forward really ran in bf16: the test checks the model's output dtype for that.
-ATOL, RTOL = 2e-3, 0.0
-UPDATE_RTOL = 0.05  # ||(p_zrs - p0) - (p_ref - p0)|| <= UPDATE_RTOL * ||p_ref - p0||, per tensor
-LOSS_RTOL = 1e-2  # a mean of bf16 terms: ~2**-8 relative error, with 2.5x margin
+# The bounds, reasoned in tests/support/checks.py (bf16 compute over fp32 masters).
+ATOL, UPDATE_RTOL = BF16_ATOL, BF16_UPDATE_RTOL
 
 PARAMS = [
     pytest.param(backend, world, model, id=f"{backend}-w{world}-{model}-bf16")
@@ -76,38 +68,15 @@ def _reference(model: str, world: int) -> Reference:
     return train_reference(ZOO[model], world, autocast_dtype=torch.bfloat16)
 
 
-def _bf16_output_and_losses(rank: int, r: dict, ref: Reference) -> list[str]:
-    """One rank's problems: its model's output not bf16, a loss not close to the reference's."""
-    problems = []
-    if r["output_dtypes"] != [torch.bfloat16]:
-        problems.append(f"rank {rank}: model output dtypes {r['output_dtypes']}, not bf16")
-    for step, (got, exp) in enumerate(zip(r["losses"], ref.losses, strict=True)):
-        if not math.isclose(got, exp[rank], rel_tol=LOSS_RTOL):
-            problems.append(f"loss of rank {rank} at step {step}: {got!r} != {exp[rank]!r}")
-    return problems
-
-
 @pytest.mark.parametrize(("backend", "world", "model"), PARAMS)
 def test_bf16_matches_autocast_reference(backend: str, world: int, model: str) -> None:
     per_rank = case_outcome(_group(backend, world), _case(backend, model).key)
     ref = _reference(model, world)
-    state = per_rank[0]["state"]
     problems = []
-
     for rank, r in enumerate(per_rank):
         for reason in unexpected_graph_breaks(ZOO[model], r["graph_breaks"]):
             problems.append(f"rank {rank}: graph break (zrs compiled path not used): {reason}")
-        problems += _bf16_output_and_losses(rank, r, ref)
-
-    # fp32 master weights: compare_params also checks that full_state_dict gives fp32 tensors.
-    problems += compare_params(state, ref.final, rtol=RTOL, atol=ATOL)
-    for name, final in ref.final.items():
-        if name not in state or state[name].shape != final.shape:
-            continue  # reported above
-        want = final - ref.init[name]
-        err = (state[name] - final).norm() / want.norm()
-        if not err <= UPDATE_RTOL:
-            problems.append(f"{name}: update off by {err:.3g} of its norm (> {UPDATE_RTOL})")
+    problems += bf16_problems(per_rank, ref)
 
     if problems:
         pytest.fail(
@@ -135,19 +104,8 @@ def test_tolerance_is_meaningful(model: str) -> None:
         assert (final - fp32.final[name]).norm() / update < UPDATE_RTOL / 2, name
 
 
-# master_dtype=bf16 against the bf16 model trained unsharded. Both keep bf16 weights, so an update
-# smaller than half a bf16 step of its weight rounds away on both sides, and a gradient that
-# differs in its last bit moves a weight by one bf16 step (2**-8 relative) more or less: zrs sums
-# the ranks' pre-divided bf16 gradients where the reference rounds their fp32 mean once, and the
-# workers' CPU matmuls (one thread) round otherwise than the reference's. zrs.shard in one
-# process gives the reference's numbers exactly. Measured in the workers: weights at most one
-# bf16 step apart; each matrix's update off by at most 4.3% of its norm, the whole model's by
-# 2.4% (inductor, world 2). The bounds leave about 3x margin; a wrong gradient scale (the ranks'
-# sum for their mean) is off by the whole update.
-MASTER_RTOL, MASTER_ATOL = 2**-6, 1e-3
-MASTER_UPDATE_RTOL = 0.15  # each matrix's; the whole model's: half of it
-
-
+# master_dtype=bf16 against the bf16 model trained unsharded: the bounds are reasoned in
+# tests/support/checks.py.
 @functools.cache
 def _bf16_reference(world: int) -> Reference:
     return train_reference(ZOO[MASTER_MODEL], world, model_dtype=torch.bfloat16)
@@ -166,29 +124,7 @@ def test_bf16_masters_match_bf16_reference(api: str, world: int) -> None:
     backend = "eager" if api == "shard" else api
     per_rank = case_outcome(_group(backend, world), _master_case(api).key)
     ref = _bf16_reference(world)
-    state = per_rank[0]["state"]
-    problems = []
-    for rank, r in enumerate(per_rank):
-        dtypes = {dtype for *_, dtype, _ in r["local_params"]}
-        if dtypes != {"torch.bfloat16"}:
-            problems.append(f"rank {rank}: shards in {sorted(dtypes)}, not bf16")
-        if r["optimizer_state_dtypes"] != ["torch.bfloat16"]:
-            problems.append(f"rank {rank}: optimizer state in {r['optimizer_state_dtypes']}")
-        problems += _bf16_output_and_losses(rank, r, ref)
-    problems += compare_params(state, ref.final, rtol=MASTER_RTOL, atol=MASTER_ATOL)
-    # The updates, of the matrices one by one (their updates span many bf16 steps) and of the
-    # whole model (a layer norm's update may be one step or none).
-    off = want = 0.0
-    for name, final in ref.final.items():
-        if name not in state or state[name].shape != final.shape:
-            continue  # reported above
-        update = (final - ref.init[name]).float()
-        err = (state[name].float() - final.float()).norm()
-        off, want = off + err**2, want + update.norm() ** 2
-        if final.dim() >= 2 and not err <= MASTER_UPDATE_RTOL * update.norm():
-            problems.append(f"{name}: update off by {err / update.norm():.3g} of its norm")
-    if not off <= (MASTER_UPDATE_RTOL / 2) ** 2 * want:
-        problems.append(f"the model's update off by {(off / want) ** 0.5:.3g} of its norm")
+    problems = master_problems(per_rank, ref)
     if problems:
         pytest.fail(
             f"{MASTER_MODEL} ({api}, world {world}, master_dtype=bf16) differs from the bf16 "

@@ -13,9 +13,13 @@ sharing dynamo's per-function recompile budget when several run in one process.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
-from collections.abc import Callable
+import functools
+import os
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -409,6 +413,9 @@ class Case:
     max_norm: float | None = None
     # The model cast to it and zrs's master_dtype= (None: neither, the default fp32 masters).
     master_dtype: torch.dtype | None = None
+    # The collectives on zrs's side streams (ZRS_COMM_STREAMS=1 while the model is sharded: each
+    # model reads it once, when zrs.compile / zrs.shard builds its state; CUDA only).
+    comm_streams: bool = False
 
     @property
     def key(self) -> str:
@@ -417,7 +424,8 @@ class Case:
         where = "" if self.device == "cpu" else f"-{self.device}"
         graphed = f"-graphed{self.max_norm or ''}" if self.graphed_step else ""
         master = "" if self.master_dtype is None else f"-m{str(self.master_dtype).split('.')[-1]}"
-        return f"{self.backend}{sched}-{self.model}{dtype}{master}{where}{graphed}"
+        streams = "-side-streams" if self.comm_streams else ""
+        return f"{self.backend}{sched}-{self.model}{dtype}{master}{where}{graphed}{streams}"
 
 
 def _train_zrs(rank: int, case: Case, group: object) -> dict:
@@ -443,11 +451,12 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
         kwargs["reduce_dtype"] = case.reduce_dtype
     if case.scheduler is not None:
         kwargs["scheduler"] = case.scheduler
-    if case.backend == "shard":  # the eager path: zrs.shard, nothing compiled
-        del kwargs["backend"]
-        compiled = zrs.shard(model, **kwargs)
-    else:
-        compiled = zrs.compile(model, **kwargs)
+    with _env("ZRS_COMM_STREAMS", "1" if case.comm_streams else None):
+        if case.backend == "shard":  # the eager path: zrs.shard, nothing compiled
+            del kwargs["backend"]
+            compiled = zrs.shard(model, **kwargs)
+        else:
+            compiled = zrs.compile(model, **kwargs)
     local = [
         (
             tuple(p.shape),
@@ -500,16 +509,52 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
     }
 
 
+@contextlib.contextmanager
+def _env(name: str, value: str | None) -> Iterator[None]:
+    """The environment variable `name` set to `value` (None: unset) inside the block."""
+    old = os.environ.pop(name, None)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+        if old is not None:
+            os.environ[name] = old
+
+
+def run_isolated(call: Callable[[], dict]) -> dict:
+    """One item of a worker's run, isolated from the next: ``call()``'s result with ``ok``,
+    ``error`` (traceback or None), the ``warnings`` it raised, its wall-clock ``seconds`` and
+    ``all_ranks_ok``. The ranks agree on the outcome before they go on, so that every rank starts
+    the next item together."""
+    import torch.distributed as dist
+
+    from _dist import format_exc, record_warnings
+    from zrs.runtime.exchange import all_gather_ints
+
+    start = time.monotonic()
+    with record_warnings() as caught:
+        try:
+            res = {"ok": True, "error": None, **call()}
+        except Exception:
+            res = {"ok": False, "error": format_exc()}
+    res["warnings"] = caught
+    res["seconds"] = time.monotonic() - start
+    # Not with all_gather_object, which can deadlock under gloo: see zrs.runtime.exchange.
+    res["all_ranks_ok"] = all(row[0] for row in all_gather_ints([int(res["ok"])], dist.group.WORLD))
+    return res
+
+
 def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, dict]:
     """Worker entry point: run every case in order; one case's failure does not stop the others.
 
-    Returns ``{case.key: result}``; a result has ``ok``, ``error`` (traceback or None), the
-    case's ``warnings`` and, when ok, what ``_train_zrs`` returns.
+    Returns ``{case.key: result}``; a result is ``run_isolated``'s, with, when ok, what
+    ``_train_zrs`` returns.
     """
     import torch.distributed as dist
 
-    from _dist import COLLECTIVE_TIMEOUT, format_exc, record_warnings
-    from zrs.runtime.exchange import all_gather_ints
+    from _dist import COLLECTIVE_TIMEOUT
 
     out: dict[str, dict] = {}
     for case in cases:
@@ -520,18 +565,7 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, dict]:
                 timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT),
                 backend=dist.get_backend(),
             )
-        with record_warnings() as caught:
-            try:
-                res = {"ok": True, "error": None, **_train_zrs(rank, case, group)}
-            except Exception:
-                res = {"ok": False, "error": format_exc()}
-        res["warnings"] = caught
-        # Agree on the outcome, so that every rank goes on to the next case together (not with
-        # all_gather_object, which can deadlock under gloo: see zrs.runtime.exchange).
-        res["all_ranks_ok"] = all(
-            row[0] for row in all_gather_ints([int(res["ok"])], dist.group.WORLD)
-        )
-        out[case.key] = res
+        out[case.key] = run_isolated(functools.partial(_train_zrs, rank, case, group))
     return out
 
 

@@ -4,7 +4,11 @@ bf16 compute over fp32 masters and bf16 masters (master_dtype), SGD-momentum and
 through a non-finite step, and a Hugging Face Llama on two sequence lengths (one graph each). What
 cannot be captured raises ZrsError.
 
-Marked `gpu` (tests/conftest.py): run with `ZRS_GPU_WORLD=1` on one GPU, NCCL process groups.
+World 1 only: CapturedStep does not yet capture several ranks' steps (it refuses with a ZrsError
+at the first call). At world > 1, as in the suite's run at world 2, the group checks that refusal
+and the tests of the captured step skip; run them with `ZRS_GPU_WORLD=1` (one GPU, an NCCL group
+of one). Marked `gpu` (tests/conftest.py). This module spawns its own group: its cases need world 1,
+the suite's shared group (tests/support/gpu_group.py) runs at the visible GPUs' count.
 """
 
 from __future__ import annotations

@@ -1,30 +1,33 @@
-"""The CPU correctness suite's models on every visible GPU (NCCL), fp32 and bf16, against the CPU
-references.
+"""The CPU correctness suite's zoo on GPUs (NCCL): fp32 on every backend, a few models with the
+collectives on zrs's side streams, bf16 compute and bf16 masters, each against the unsharded CPU
+reference. The runs are the GPU suite's one group of workers (tests/support/gpu_group.py, which
+lists every case); these tests read its results.
 
 Marked `gpu`: skipped without two CUDA devices, or one with `ZRS_GPU_WORLD=1` (tests/conftest.py).
-Run on the device machine with `bash scripts/device_setup.sh python3 -m pytest -m gpu tests/gpu`
-(the setup script installs the carried wheel and keeps NVLink multicast off). The world size is the number of visible GPUs;
-`ZRS_GPU_WORLD=N` picks fewer, e.g. 3 on a 4-GPU host so that shards need uneven padding. On
-2xH200 the module takes ~200 s; on 4xH200 (world 4) it had not finished after 240 s (session 6,
-cause not known), so give a 4-GPU run its own device call or `ZRS_GPU_WORLD=2`.
+Run the suite on the two-GPU device machine, at world 2:
+`bash scripts/device_setup.sh python3 -m pytest tests/gpu -q` (the setup script installs the
+carried wheel and keeps NVLink multicast off). The world size is the number of visible GPUs;
+`ZRS_GPU_WORLD=N` picks fewer.
+
+Side streams (`ZRS_COMM_STREAMS=1`, opt-in) are read when a model is sharded, so a few cases of
+the same group set it for their model alone (`gpu_group.SIDE_STREAMS`): no spawn of their own.
 
 Tolerances. fp32: TF32 is off, but cuBLAS/cuDNN sum in other orders than the CPU kernels of the
 reference, ~1e-7 relative per op; after three SGD-momentum steps through a few layers that stays
-far below rtol 1e-4 / atol 1e-5 (10x the CPU suite's), while a wrong gradient scale or a mixed-up
-shard moves parameters by >= 1e-2. bf16: the bounds of tests/e2e/test_mixed_precision.py (reasoned
-there), against the same bf16-autocast CPU reference.
+far below rtol 1e-4 / atol 1e-5 (10x the CPU suite's, tests/e2e/test_correctness.py), while a
+wrong gradient scale or a mixed-up shard moves parameters by >= 1e-2. bf16 and bf16 masters: the
+bounds of the CPU suite (tests/support/checks.py, reasoned there), against the same bf16-autocast
+and bf16-model CPU references.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-
 import pytest
-import torch
 
-from _dist import cached_run, reemit_warnings
-from zoo import ZOO, Case, Reference, case_outcome, compare_params, run_cases, train_reference
+import gpu_group as group
+from _dist import reemit_warnings
+from checks import bf16_problems, compiled_problems, fp32_problems, master_problems
+from zoo import ZOO
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,72 +36,52 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning"),
 ]
 
+RTOL, ATOL = 1e-4, 1e-5
+LOSS_RTOL, LOSS_ATOL = 1e-4, 1e-5
 
-def _world() -> int:
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    wanted = int(os.environ.get("ZRS_GPU_WORLD", visible))
-    if wanted > visible:
-        raise pytest.UsageError(
-            f"ZRS_GPU_WORLD={wanted} but only {visible} CUDA devices are visible"
-        )
-    return wanted
-
-
-WORLD = _world()
-BACKENDS = ("eager", "inductor", "shard")  # "shard": zrs.shard, the eager path
-FP32_RTOL, FP32_ATOL = 1e-4, 1e-5
-BF16_ATOL, BF16_UPDATE_RTOL = 2e-3, 0.05
-BF16_MODELS = ("mlp", "gpt_tied")
+FP32 = [
+    pytest.param(backend, model, False, id=f"{backend}-{model}")
+    for backend in group.FP32_BACKENDS
+    for model in ZOO
+] + [
+    pytest.param(backend, model, True, id=f"{backend}-{model}-side-streams")
+    for backend, model in group.SIDE_STREAMS
+]
 
 
-def _case(model: str, backend: str, bf16: bool) -> Case:
-    dtype = torch.bfloat16 if bf16 else None
-    return Case(model, backend, param_dtype=dtype, device="cuda", default_group=False)
-
-
-def run_cases_on_side_streams(rank: int, world: int, cases: list[Case]) -> dict[str, dict]:
-    """run_cases with the collectives on zrs's side streams (zrs.runtime.streams, opt-in)."""
-    os.environ["ZRS_COMM_STREAMS"] = "1"
-    return run_cases(rank, world, cases)
-
-
-def _group(backend: str, side_streams: bool = False) -> list[dict[str, dict]]:
-    cases = [_case(m, backend, False) for m in ZOO] + [_case(m, backend, True) for m in BF16_MODELS]
-    fn = run_cases_on_side_streams if side_streams else run_cases
-    return cached_run(("gpu_zoo", backend, side_streams), fn, WORLD, cases, backend="nccl")
-
-
-@functools.cache
-def _reference(model: str, bf16: bool) -> Reference:
-    return train_reference(ZOO[model], WORLD, autocast_dtype=torch.bfloat16 if bf16 else None)
-
-
-@pytest.mark.parametrize("side_streams", [False, True], ids=["nccl-streams", "side-streams"])
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("model", list(ZOO))
-def test_fp32_on_gpus_matches_reference(backend: str, model: str, side_streams: bool) -> None:
-    per_rank = case_outcome(_group(backend, side_streams), _case(model, backend, False).key)
-    ref = _reference(model, False)
-    problems = compare_params(per_rank[0]["state"], ref.final, rtol=FP32_RTOL, atol=FP32_ATOL)
-    assert not problems, problems
+def _check(per_rank: list[dict], problems: list[str], what: str) -> None:
+    assert not problems, f"{what} differs from the reference:\n  " + "\n  ".join(problems)
     for rank, r in enumerate(per_rank):
-        reemit_warnings(r["warnings"], where=f"rank {rank}, {model} on GPU")
+        reemit_warnings(r["warnings"], where=f"rank {rank}, {what}")
 
 
-@pytest.mark.parametrize("side_streams", [False, True], ids=["nccl-streams", "side-streams"])
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("model", BF16_MODELS)
-def test_bf16_on_gpus_matches_autocast_reference(
-    backend: str, model: str, side_streams: bool
-) -> None:
-    per_rank = case_outcome(_group(backend, side_streams), _case(model, backend, True).key)
-    ref = _reference(model, True)
-    state = per_rank[0]["state"]
-    problems = compare_params(state, ref.final, rtol=0.0, atol=BF16_ATOL)
-    for name, final in ref.final.items():
-        if name in state and state[name].shape == final.shape:
-            err = (state[name] - final).norm() / (final - ref.init[name]).norm()
-            if not err <= BF16_UPDATE_RTOL:
-                problems.append(f"{name}: update off by {err:.3g} of its norm")
-    assert all(r["output_dtypes"] == [torch.bfloat16] for r in per_rank)
-    assert not problems, problems
+@pytest.mark.parametrize(("backend", "model", "side_streams"), FP32)
+def test_fp32_on_gpus_matches_reference(backend: str, model: str, side_streams: bool) -> None:
+    key = group.case(model, backend, comm_streams=side_streams).key
+    per_rank = group.outcome(key)
+    problems = fp32_problems(
+        per_rank,
+        ZOO[model],
+        group.reference(model),
+        rtol=RTOL,
+        atol=ATOL,
+        loss_rtol=LOSS_RTOL,
+        loss_atol=LOSS_ATOL,
+    )
+    problems += compiled_problems(per_rank, ZOO[model], backend)
+    _check(per_rank, problems, key)
+
+
+@pytest.mark.parametrize("model", group.BF16_MODELS)
+def test_bf16_on_gpus_matches_autocast_reference(model: str) -> None:
+    key = group.bf16_case(model).key
+    per_rank = group.outcome(key)
+    _check(per_rank, bf16_problems(per_rank, group.reference(model, "bf16")), key)
+
+
+@pytest.mark.parametrize("api", group.MASTER_APIS)
+def test_bf16_masters_on_gpus_match_bf16_reference(api: str) -> None:
+    key = group.master_case(api).key
+    per_rank = group.outcome(key)
+    ref = group.reference(group.MASTER_MODEL, "bf16_model")
+    _check(per_rank, master_problems(per_rank, ref), key)

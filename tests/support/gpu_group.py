@@ -1,0 +1,251 @@
+"""The GPU suite's one group of workers (tests/gpu): a single spawned NCCL process group per world
+size (rank r on GPU r) runs every case in turn, and the tests of tests/gpu read its results. Each
+process start, NCCL set-up and CUDA context is paid once, and one case's failure fails only the
+tests that read it (`zoo.run_isolated`).
+
+What the group runs, each against the unsharded single-process CPU reference (`zoo.train_reference`:
+each rank its own batches, SGD with momentum), 3 steps, fp32 with TF32 off unless said otherwise:
+
+* the zoo (`zoo.ZOO`) on zrs.compile's "eager" and "inductor" backends and on zrs.shard
+  ("shard"), and a few of them with the collectives on zrs's side streams (`SIDE_STREAMS`);
+* Hugging Face models (`HF_MODELS`: a Llama, GPT-2 with biases and a tied head, a Llama on
+  variable-length batches) on inductor;
+* bf16 compute over fp32 masters (`BF16_MODELS`) against the bf16-autocast reference, and bf16
+  masters (`MASTER_APIS`) against the model trained unsharded in bf16;
+* a DCP checkpoint (PyTorch's recipe) of GPT-2 after 2 steps, saved by every rank under a
+  directory of the parent's; the parent loads it in one process (tests/gpu/test_checkpoint_gpu.py);
+* zrs.GraphedStep (`GRAPHED`) with and without CUDA graphs, 7 steps through a non-finite one,
+  with deterministic algorithms: the two must agree bit for bit.
+
+The worker takes the device as a parameter so that the whole group can be dry-run on the CPU
+(gloo) by setting `DEVICE` and `DIST_BACKEND` below before the first `results()` call: every case
+then runs on the CPU (the side streams and the CUDA graphs have nothing to do there).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+
+import checkpointing as ckpt
+from _dist import cached_run
+from zoo import (
+    ZOO,
+    Case,
+    Reference,
+    case_outcome,
+    run_cases,
+    run_isolated,
+    spec_of,
+    train_reference,
+)
+
+# Where the group runs: "cuda" and "nccl" (a CPU dry run: "cpu" and "gloo").
+DEVICE, DIST_BACKEND = "cuda", "nccl"
+# Seconds the whole group may take before it fails as hung: well above what it should take on
+# two H100s (estimated at 2-3 minutes from the earlier per-backend groups; not yet timed there),
+# and small enough that a hung suite still ends within the device machine's 10-minute call.
+GROUP_TIMEOUT = 300.0
+
+FP32_BACKENDS = ("eager", "inductor", "shard")  # "shard": zrs.shard, the eager path
+# (zrs api, zoo model): the collectives on zrs's side streams (ZRS_COMM_STREAMS=1, read when the
+# model is sharded): compiled code and the eager path's hooks, a tied embedding and a deep stack.
+SIDE_STREAMS = (
+    ("inductor", "gpt_tied"),
+    ("inductor", "bias_stack"),
+    ("shard", "gpt_tied"),
+    ("shard", "bias_stack"),
+)
+HF_MODELS, HF_BACKEND = ("hf_llama", "hf_gpt2", "hf_llama_varlen"), "inductor"
+BF16_MODELS, BF16_BACKEND = ("mlp", "gpt_tied"), "inductor"
+MASTER_MODEL, MASTER_APIS = "gpt_tied", ("inductor", "shard")
+# The checkpoint: (model, zrs backend, optimizer), trained CHECKPOINT_STEPS steps, then saved.
+CHECKPOINT_RUN, CHECKPOINT_STEPS = ("hf_gpt2", "eager", "sgd"), 2
+CHECKPOINT_KEY = "checkpoint-dcp"
+# zrs.GraphedStep: (zoo model, dtype, optimizer, zrs backend). "bf16_reduce": bf16 compute and
+# reduction, each .grad a cast that the captured step keeps in place.
+GRAPHED = (
+    ("gpt_tied", "fp32", "sgd", "inductor"),
+    ("bias_stack", "bf16", "adamw", "eager"),
+    ("bias_stack", "bf16_reduce", "adamw", "eager"),
+)
+GRAPHED_STEPS, POISONED = 7, 4  # warmup 2, capture at 3, replays after; step 4 overflows
+
+
+def world() -> int:
+    """The group's size: the visible GPUs, or fewer with ZRS_GPU_WORLD (a CPU dry run: 2)."""
+    wanted = os.environ.get("ZRS_GPU_WORLD")
+    if DEVICE != "cuda":
+        return int(wanted or 2)
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if wanted and int(wanted) > visible:
+        pytest.fail(f"ZRS_GPU_WORLD={wanted} but only {visible} CUDA devices are visible")
+    return int(wanted or visible)
+
+
+# --- the cases ----------------------------------------------------------------------------------
+
+
+def case(model: str, backend: str, **kw: Any) -> Case:
+    """A case of the group (on DEVICE, each in a fresh process group)."""
+    return Case(model, backend, device=DEVICE, default_group=False, **kw)
+
+
+def fp32_cases() -> list[Case]:
+    zoo = [case(m, b) for b in FP32_BACKENDS for m in ZOO]
+    streams = [case(m, b, comm_streams=True) for b, m in SIDE_STREAMS]
+    return zoo + streams + [case(m, HF_BACKEND) for m in HF_MODELS]
+
+
+def bf16_case(model: str) -> Case:
+    return case(model, BF16_BACKEND, param_dtype=torch.bfloat16)
+
+
+def master_case(api: str) -> Case:
+    return case(MASTER_MODEL, api, master_dtype=torch.bfloat16)
+
+
+def all_cases() -> list[Case]:
+    bf16 = [bf16_case(m) for m in BF16_MODELS]
+    return fp32_cases() + bf16 + [master_case(a) for a in MASTER_APIS]
+
+
+def graphed_key(config: tuple[str, ...], graphs: bool) -> str:
+    return "graphed-" + "-".join(config) + ("-graphs" if graphs else "-no-graphs")
+
+
+# --- the worker ---------------------------------------------------------------------------------
+
+
+def run_group(
+    rank: int, world_size: int, device: str, cases: list[Case], root: str
+) -> dict[str, dict]:
+    """Worker entry point: `cases` (zoo.run_cases), the checkpoint saved under `root`, then the
+    graphed steps; `{key: zoo.run_isolated's result}`."""
+    if device == "cuda":
+        # fp32 means fp32 (the references run on the CPU); and the graphed runs' bit for bit
+        # needs deterministic cuBLAS, set before its first use.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    out = run_cases(rank, world_size, cases)
+    out[CHECKPOINT_KEY] = run_isolated(functools.partial(_save_checkpoint, rank, device, root))
+    # Bit for bit needs the forward and backward to be, too: the embedding's backward otherwise
+    # sums with atomics, in an order that changes from run to run (seen: gpt_tied, fp32 AdamW).
+    torch.use_deterministic_algorithms(True)
+    try:
+        for config in GRAPHED:
+            for graphs in (False, True):
+                run = functools.partial(_train_graphed, config, graphs, rank, device)
+                out[graphed_key(config, graphs)] = run_isolated(run)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    return out
+
+
+def checkpoint_dir(root: str) -> str:
+    return os.path.join(root, "-".join(CHECKPOINT_RUN))
+
+
+def _save_checkpoint(rank: int, device: str, root: str) -> dict:
+    spec, model, opt = ckpt.new(CHECKPOINT_RUN, device)
+    ckpt.train(spec, model, opt, rank, range(CHECKPOINT_STEPS), device)
+    ckpt.dcp_save(model, opt, checkpoint_dir(root))
+    return {"saved": ckpt.full(model, opt)}
+
+
+def _train_graphed(config: tuple[str, ...], graphs: bool, rank: int, device: str) -> dict:
+    """One GraphedStep run: clipped, SGD-momentum or AdamW (a tensor learning rate that a
+    scheduler halves), the gradients of step POISONED made NaN."""
+    import zrs
+
+    model_name, dtype, kind, backend = config
+    spec = ZOO[model_name]
+    dev = (
+        torch.device("cuda", torch.cuda.current_device())
+        if device == "cuda"
+        else torch.device(device)
+    )
+    model = spec.build().to(dev)
+    param_dtype = torch.bfloat16 if dtype.startswith("bf16") else None
+    reduce_dtype = torch.bfloat16 if dtype == "bf16_reduce" else None
+    zrs.compile(model, param_dtype=param_dtype, reduce_dtype=reduce_dtype, backend=backend)
+    if kind == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    else:
+        lr = torch.tensor(0.01, device=dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, fused=True)
+    sched = (
+        torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if kind == "adamw" else None
+    )
+    # On the CPU (a dry run) the step runs eagerly either way: no CUDA graphs there.
+    step = zrs.GraphedStep(opt, max_norm=0.05, cuda_graphs=graphs if dev.type == "cuda" else None)
+    norms = []
+    for i in range(GRAPHED_STEPS):
+        opt.zero_grad()
+        batch = [t.to(dev) if isinstance(t, torch.Tensor) else t for t in spec.batch(rank, i)]
+        spec.loss(model, batch).backward()
+        if i == POISONED:
+            p = next(model.parameters())
+            p.grad.to_local().view(-1)[0] = float("nan")
+        norms.append(step().clone())
+        if sched is not None:
+            sched.step()
+    state = {k: v.detach().cpu().clone() for k, v in zrs.full_state_dict(model).items()}
+    return {
+        "state": state,
+        "norms": torch.stack(norms).cpu(),
+        "skipped": step.skipped_steps,
+        "captured": step.graph is not None,
+        "recaptures": step.recaptures,
+    }
+
+
+# --- the tests' side ----------------------------------------------------------------------------
+
+
+@functools.cache
+def root() -> str:
+    """The directory the group saves its checkpoint under (removed when the session ends)."""
+    where = tempfile.mkdtemp(prefix="zrs-gpu-")
+    atexit.register(shutil.rmtree, where, ignore_errors=True)
+    return where
+
+
+def results() -> list[dict[str, dict]]:
+    """Every rank's results of the group, run once per session."""
+    size = world()
+    return cached_run(
+        ("gpu_group", DEVICE, size),
+        run_group,
+        size,
+        DEVICE,
+        all_cases(),
+        root(),
+        backend=DIST_BACKEND,
+        timeout=GROUP_TIMEOUT,
+    )
+
+
+def outcome(key: str) -> list[dict]:
+    """The per-rank results of one item of the group; fails the test if it raised anywhere."""
+    return case_outcome(results(), key)
+
+
+@functools.cache
+def reference(model: str, dtype: str = "fp32") -> Reference:
+    """The unsharded reference at the group's world size: "fp32", "bf16" (the forward under
+    bf16 autocast, fp32 weights) or "bf16_model" (the model in bf16, trained wholly in it)."""
+    kw: dict[str, Any] = {}
+    if dtype == "bf16":
+        kw["autocast_dtype"] = torch.bfloat16
+    elif dtype == "bf16_model":
+        kw["model_dtype"] = torch.bfloat16
+    return train_reference(spec_of(model), world(), **kw)

@@ -3,8 +3,10 @@
 # GPU, in one call:
 #   bash scripts/bench_graphed_step.sh OUTFILE [PRESET]
 # Runs the GPU tests of the graphed optimizer step and of the captured whole step (both
-# bit-identical to ungraphed), then PRESET (default 1b) with zrs_graphed and zrs_captured
-# alternating (A B B A), then zrs, single_amp and single.
+# bit-identical to ungraphed; the graphed step's tests read the GPU suite's one group of
+# workers, tests/support/gpu_group.py, which runs all its cases, here at world 1), then PRESET
+# (default 1b) with zrs_graphed and zrs_captured alternating (A B B A), then zrs, single_amp and
+# single.
 set -uo pipefail
 OUTFILE=${1:?usage: bench_graphed_step.sh OUTFILE [PRESET]} PRESET=${2:-1b}
 cd "$(dirname "$0")/.."

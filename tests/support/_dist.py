@@ -44,6 +44,16 @@ _WORKER_ENV = {
 }
 
 
+def _worker_env(backend: str, world_size: int) -> dict[str, str]:
+    """`_WORKER_ENV`, but on GPUs (NCCL) each rank compiles Triton kernels in parallel on its
+    share of the host's cores: with one compile thread each tiny zoo model took ~17 s to train
+    under inductor on 2 H100s."""
+    if backend != "nccl":
+        return _WORKER_ENV
+    cores = max(1, (os.cpu_count() or 1) // world_size)
+    return {**_WORKER_ENV, "TORCHINDUCTOR_COMPILE_THREADS": str(cores)}
+
+
 class WorkerError(RuntimeError):
     """One or more ranks raised or died; the message holds every failed rank's traceback."""
 
@@ -170,7 +180,7 @@ def run_workers(
     timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
     with tempfile.TemporaryDirectory(prefix="zrs-test-") as tmp:
         init_method = "file://" + os.path.join(tmp, "store")
-        with _patched_env(_WORKER_ENV):
+        with _patched_env(_worker_env(backend, world_size)):
             ctx = mp.start_processes(
                 _worker_entry,
                 args=(fn, world_size, args, init_method, tmp, backend),
@@ -303,7 +313,7 @@ def run_faulty(
     ``backend``: "gloo" (CPU), or "nccl": rank r on GPU r, with ``NCCL_FAULT_ENV``."""
     with tempfile.TemporaryDirectory(prefix="zrs-fault-") as tmp:
         init_method = "file://" + os.path.join(tmp, "store")
-        with _patched_env(_WORKER_ENV):
+        with _patched_env(_worker_env(backend, world_size)):
             ctx = mp.start_processes(
                 _fault_entry,
                 args=(fn, world_size, args, init_method, tmp, backend),

@@ -136,7 +136,9 @@ def run_group(
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     out = run_cases(rank, world_size, cases)
-    out[CHECKPOINT_KEY] = run_isolated(functools.partial(_save_checkpoint, rank, device, root))
+    out[CHECKPOINT_KEY] = run_isolated(
+        functools.partial(_save_checkpoint, rank, device, root), CHECKPOINT_KEY
+    )
     # Bit for bit needs the forward and backward to be, too: the embedding's backward otherwise
     # sums with atomics, in an order that changes from run to run (seen: gpt_tied, fp32 AdamW).
     torch.use_deterministic_algorithms(True)
@@ -144,7 +146,8 @@ def run_group(
         for config in GRAPHED:
             for graphs in (False, True):
                 run = functools.partial(_train_graphed, config, graphs, rank, device)
-                out[graphed_key(config, graphs)] = run_isolated(run)
+                key = graphed_key(config, graphs)
+                out[key] = run_isolated(run, key)
     finally:
         torch.use_deterministic_algorithms(False)
     return out

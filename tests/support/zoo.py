@@ -18,6 +18,7 @@ import dataclasses
 import datetime
 import functools
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 
@@ -523,11 +524,12 @@ def _env(name: str, value: str | None) -> Iterator[None]:
             os.environ[name] = old
 
 
-def run_isolated(call: Callable[[], dict]) -> dict:
+def run_isolated(call: Callable[[], dict], label: str) -> dict:
     """One item of a worker's run, isolated from the next: ``call()``'s result with ``ok``,
     ``error`` (traceback or None), the ``warnings`` it raised, its wall-clock ``seconds`` and
     ``all_ranks_ok``. The ranks agree on the outcome before they go on, so that every rank starts
-    the next item together."""
+    the next item together. Rank 0 prints one line per item to stderr (seen with ``-s``): where
+    a long group spends its time, or where it hangs."""
     import torch.distributed as dist
 
     from _dist import format_exc, record_warnings
@@ -543,6 +545,13 @@ def run_isolated(call: Callable[[], dict]) -> dict:
     res["seconds"] = time.monotonic() - start
     # Not with all_gather_object, which can deadlock under gloo: see zrs.runtime.exchange.
     res["all_ranks_ok"] = all(row[0] for row in all_gather_ints([int(res["ok"])], dist.group.WORLD))
+    if dist.get_rank() == 0:
+        outcome = "ok" if res["all_ranks_ok"] else "FAILED"
+        print(
+            f"zrs test item {label}: {outcome} in {res['seconds']:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     return res
 
 
@@ -565,7 +574,7 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, dict]:
                 timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT),
                 backend=dist.get_backend(),
             )
-        out[case.key] = run_isolated(functools.partial(_train_zrs, rank, case, group))
+        out[case.key] = run_isolated(functools.partial(_train_zrs, rank, case, group), case.key)
     return out
 
 

@@ -35,6 +35,16 @@ STEPS = 6
 LR, MOMENTUM = 0.1, 0.9
 
 
+# Under NCCL a rank whose peer is lost keeps launching work behind a collective that never ends;
+# its host must not block meanwhile, or zrs's step check never runs. With the peer stopped at step
+# 1, the survivor's host sat in its first gradient accumulation (`add_`, the first of its kind in
+# the process) until the watchdog ended it (2 H100s, stacks dumped at the deadline). A first launch
+# loads the kernel's module (CUDA's lazy loading, torch's default), and we take that load to wait
+# for the device. So each scenario whose survivor must run on past a lost collective faults at
+# this step, after every kernel ran once (docs/faults.md).
+LOST_PEER_STEP = 2
+
+
 class Fault(RuntimeError):
     """The exception the scenarios inject."""
 
@@ -357,10 +367,13 @@ def disagreements(
 
     def shape_on_one_rank() -> None:
         model, opt = build(timeout, device=device)
-        # A size of 1 is never symbolic: rank 1 recompiles alone at step 1.
-        xs = batches(rank, 3, device, rows=lambda step: 1 if rank == 1 and step == 1 else 6)
-        for step in range(3):
-            if step == 1:
+        # A size of 1 is never symbolic: rank 1 recompiles alone at LOST_PEER_STEP.
+        lone = LOST_PEER_STEP
+        xs = batches(
+            rank, lone + 2, device, rows=lambda step: 1 if rank == 1 and step == lone else 6
+        )
+        for step in range(lone + 2):
+            if step == lone:
                 mark()
             model(xs[step]).sum().backward()
             opt.step()
@@ -411,18 +424,18 @@ def peer_lost(
     device: str = "cpu",
 ) -> dict[str, Any]:
     """Rank 1 stops (SIGSTOP, `how="stop"`) or is killed (SIGKILL, `how="kill"`) in its backward
-    at step 1; the surviving ranks must raise within the timeout, and refuse to run on.
+    at LOST_PEER_STEP (2); the surviving ranks must raise within the timeout, and refuse to run on.
     `group_timeout`: the timeout is the process group's (`new_group(timeout=)`), not zrs's.
 
     Under gloo the survivor's first error comes in the step of the fault (its collective waits on
-    the host) and the next at step 2; under NCCL the first comes from the step check before step
-    2 (the host does not wait in NCCL collectives) and the next at step 3."""
+    the host) and the next at step 3; under NCCL the first comes from the step check before step
+    3 (the host does not wait in NCCL collectives) and the next at step 4."""
     if group_timeout:
         group = dist.new_group(timeout=datetime.timedelta(seconds=timeout))
         model, opt = build(None, device=device, process_group=group)
     else:
         model, opt = build(timeout, device=device)
-    xs = batches(rank, 4, device)
+    xs = batches(rank, LOST_PEER_STEP + 3, device)
     name = f"peer_{how}"
 
     def lose() -> None:
@@ -430,8 +443,8 @@ def peer_lost(
         os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
 
     first: dict[str, Any] = {}
-    for step in range(4):
-        if rank == 1 and step == 1:
+    for step in range(LOST_PEER_STEP + 3):
+        if rank == 1 and step == LOST_PEER_STEP:
             model.trigger.backward = lose
         try:
             model(xs[step]).square().mean().backward()

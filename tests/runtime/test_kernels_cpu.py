@@ -6,7 +6,9 @@ CUDA kernels (tests/gpu/test_kernels.py) are checked against these same implemen
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import pytest
 import torch
@@ -215,3 +217,15 @@ def test_disabled_by_env(monkeypatch):
     monkeypatch.setenv("ZRS_NO_CUDA_KERNELS", "1")
     assert not kernels.load()
     assert kernels.status()[0] == "disabled"
+
+
+def test_a_lock_left_by_a_killed_build_is_removed(tmp_path):
+    """cpp_extension waits forever for a build lock; one older than any build is a killed
+    build's, and would leave every later process on the torch ops without a warning."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not kernels.clear_stale_lock(tmp_path) and lock.exists(), "a build in progress"
+    old = time.time() - kernels.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    assert kernels.clear_stale_lock(tmp_path) and not lock.exists()
+    assert not kernels.clear_stale_lock(tmp_path)  # none left

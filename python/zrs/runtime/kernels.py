@@ -82,6 +82,7 @@ def build(verbose: bool = False) -> str:
     key."""
     folder = build_dir()
     path = folder / f"{EXT_NAME}.so"
+    clear_stale_lock(folder)
     # cpp_extension holds `lock` in the folder while it builds: then wait for it there.
     if path.is_file() and not (folder / "lock").exists():
         torch.ops.load_library(str(path))
@@ -102,6 +103,24 @@ def build(verbose: bool = False) -> str:
     if missing:
         raise RuntimeError(f"{path} loaded but registered no CUDA kernel for {missing}")
     return str(path)
+
+
+# A build takes ~30 s; a lock older than this was left by a build that was killed (a job torn
+# down mid-build), and cpp_extension would wait for it forever: every later process would run the
+# torch ops, its builder thread never done, and never warn.
+STALE_LOCK_S = 600.0
+
+
+def clear_stale_lock(folder: Path) -> bool:
+    """Remove `folder`'s build lock if a killed build left it; True if one was removed."""
+    lock = folder / "lock"
+    try:
+        stale = time.time() - lock.stat().st_mtime > STALE_LOCK_S
+    except FileNotFoundError:
+        return False
+    if stale:
+        lock.unlink(missing_ok=True)
+    return stale
 
 
 def _has_cuda_kernel(op: str) -> bool:

@@ -1,5 +1,5 @@
-"""Hugging Face models on GPUs (NCCL), compiled with inductor: a Llama, GPT-2 (biases, a tied
-head) and a Llama on variable-length batches (a new length per rank and step, without a
+"""Hugging Face models on GPUs (NCCL), compiled with inductor: GPT-2 (biases, a tied head) and a
+Llama on variable-length batches (a new length per rank and step, without a
 recompile per length), against the unsharded CPU reference, generate() included. The runs are in
 the GPU suite's one group of workers (tests/support/gpu_group.py).
 

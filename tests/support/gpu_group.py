@@ -8,7 +8,7 @@ each rank its own batches, SGD with momentum), 3 steps, fp32 with TF32 off unles
 
 * the zoo (`zoo.ZOO`) on zrs.compile's "eager" and "inductor" backends and on zrs.shard
   ("shard"), and a few of them with the collectives on zrs's side streams (`SIDE_STREAMS`);
-* Hugging Face models (`HF_MODELS`: a Llama, GPT-2 with biases and a tied head, a Llama on
+* Hugging Face models (`HF_MODELS`: GPT-2 with biases and a tied head, a Llama on
   variable-length batches) on inductor;
 * bf16 compute over fp32 masters (`BF16_MODELS`) against the bf16-autocast reference, and bf16
   masters (`MASTER_APIS`) against the model trained unsharded in bf16;
@@ -49,22 +49,26 @@ from zoo import (
 
 # Where the group runs: "cuda" and "nccl" (a CPU dry run: "cpu" and "gloo").
 DEVICE, DIST_BACKEND = "cuda", "nccl"
-# Seconds the whole group may take before it fails as hung: well above what it should take on
-# two H100s (estimated at 2-3 minutes from the earlier per-backend groups; not yet timed there),
-# and small enough that a hung suite still ends within the device machine's 10-minute call.
+# Seconds the whole group may take before it fails as hung: above what it should take on two
+# H100s (its zoo part took 115 s in session 22; the rest not yet timed there), and small enough
+# that a hung suite still ends within the device machine's 10-minute call.
 GROUP_TIMEOUT = 420.0
 
 FP32_BACKENDS = ("eager", "inductor", "shard")  # "shard": zrs.shard, the eager path
+# What else the group runs is chosen for the suite's time (under 6 minutes with the faults): each
+# compiled case costs its compile, 2-22 s on 2 H100s (session 22: gpt_tied 21.9 s, bias_stack
+# 5.7 s under inductor; the zoo on 3 backends and 4 side-stream cases took 115 s), and the whole
+# first version of this group did not finish in 400 s. So: the cheaper model where a case's point
+# does not need a particular one, and a Llama only on variable lengths (the same model class).
 # (zrs api, zoo model): the collectives on zrs's side streams (ZRS_COMM_STREAMS=1, read when the
 # model is sharded): compiled code and the eager path's hooks, a tied embedding and a deep stack.
 SIDE_STREAMS = (
-    ("inductor", "gpt_tied"),
     ("inductor", "bias_stack"),
     ("shard", "gpt_tied"),
     ("shard", "bias_stack"),
 )
-HF_MODELS, HF_BACKEND = ("hf_llama", "hf_gpt2", "hf_llama_varlen"), "inductor"
-BF16_MODELS, BF16_BACKEND = ("mlp", "gpt_tied"), "inductor"
+HF_MODELS, HF_BACKEND = ("hf_gpt2", "hf_llama_varlen"), "inductor"
+BF16_MODELS, BF16_BACKEND = ("mlp",), "inductor"
 MASTER_MODEL, MASTER_APIS = "gpt_tied", ("inductor", "shard")
 # The checkpoint: (model, zrs backend, optimizer), trained CHECKPOINT_STEPS steps, then saved.
 CHECKPOINT_RUN, CHECKPOINT_STEPS = ("hf_gpt2", "eager", "sgd"), 2
@@ -72,8 +76,7 @@ CHECKPOINT_KEY = "checkpoint-dcp"
 # zrs.GraphedStep: (zoo model, dtype, optimizer, zrs backend). "bf16_reduce": bf16 compute and
 # reduction, each .grad a cast that the captured step keeps in place.
 GRAPHED = (
-    ("gpt_tied", "fp32", "sgd", "inductor"),
-    ("bias_stack", "bf16", "adamw", "eager"),
+    ("bias_stack", "fp32", "sgd", "inductor"),
     ("bias_stack", "bf16_reduce", "adamw", "eager"),
 )
 GRAPHED_STEPS, POISONED = 7, 4  # warmup 2, capture at 3, replays after; step 4 overflows

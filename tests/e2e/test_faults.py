@@ -20,22 +20,15 @@ def _within_timeout(record: dict) -> None:
     assert record["seconds"] <= TIMEOUT + MARGIN, record
 
 
-def _recovered(r: dict) -> None:
-    assert r["caught"][:3] == ["forward", "backward", "optimizer step refused"], r["caught"]
-    assert len(r["caught"]) == 4 and r["caught"][3].startswith("in graph: "), r["caught"]
-    assert r["same"], "the parameters differ from those of a run that skipped the batches"
-    assert not r["busy"]
-
-
 @pytest.mark.parametrize("backend", ["eager", "shard"])
 def test_every_rank_raising_in_a_phase_recovers_to_the_clean_skip(backend):
     for r in run_workers(faults.all_ranks_raise, 2, TIMEOUT, backend, timeout=BOUND):
-        _recovered(r)
+        faults.assert_recovered(r)
         assert r["timeouts"] == [TIMEOUT] * 3, "every communicator zrs made waits `timeout`"
 
 
 def test_one_process_recovers_under_inductor_too():
-    _recovered(faults.all_ranks_raise(0, 1, TIMEOUT, "inductor"))
+    faults.assert_recovered(faults.all_ranks_raise(0, 1, TIMEOUT, "inductor"))
 
 
 _RAISES = {}

@@ -119,18 +119,11 @@ def _within_timeout(fault: str, rank: int, record: dict) -> None:
     assert record["seconds"] <= TIMEOUT + MARGIN, line
 
 
-def _recovered(r: dict) -> None:
-    assert r["caught"][:3] == ["forward", "backward", "optimizer step refused"], r["caught"]
-    assert len(r["caught"]) == 4 and r["caught"][3].startswith("in graph: "), r["caught"]
-    assert r["same"], "the parameters differ from those of a run that skipped the batches"
-    assert not r["busy"]
-
-
 def test_every_rank_raising_in_a_phase_recovers_to_the_clean_skip():
     results = _spawn("recover, then a forward raises")
     for rank in range(2):
         r = _rank(results, rank, "all_ranks_raise")
-        _recovered(r)
+        faults.assert_recovered(r)
         assert r["timeouts"] == [TIMEOUT] * 3, "every communicator zrs made waits `timeout`"
 
 

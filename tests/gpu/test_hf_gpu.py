@@ -16,7 +16,6 @@ from __future__ import annotations
 import pytest
 
 import gpu_group as group
-from _dist import reemit_warnings
 from checks import fp32_problems, varlen_graph_problems
 from hf_zoo import HF_ZOO
 
@@ -44,6 +43,4 @@ def test_hf_model_on_gpus_matches_reference(model: str) -> None:
     )
     if model.endswith("_varlen"):
         problems += varlen_graph_problems(per_rank)
-    assert not problems, f"{key} differs from the reference:\n  " + "\n  ".join(problems)
-    for rank, r in enumerate(per_rank):
-        reemit_warnings(r["warnings"], where=f"rank {rank}, {key}")
+    group.check(per_rank, problems, key)

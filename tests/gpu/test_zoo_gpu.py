@@ -25,7 +25,6 @@ from __future__ import annotations
 import pytest
 
 import gpu_group as group
-from _dist import reemit_warnings
 from checks import bf16_problems, compiled_problems, fp32_problems, master_problems
 from zoo import ZOO
 
@@ -49,12 +48,6 @@ FP32 = [
 ]
 
 
-def _check(per_rank: list[dict], problems: list[str], what: str) -> None:
-    assert not problems, f"{what} differs from the reference:\n  " + "\n  ".join(problems)
-    for rank, r in enumerate(per_rank):
-        reemit_warnings(r["warnings"], where=f"rank {rank}, {what}")
-
-
 @pytest.mark.parametrize(("backend", "model", "side_streams"), FP32)
 def test_fp32_on_gpus_matches_reference(backend: str, model: str, side_streams: bool) -> None:
     key = group.case(model, backend, comm_streams=side_streams).key
@@ -69,14 +62,14 @@ def test_fp32_on_gpus_matches_reference(backend: str, model: str, side_streams: 
         loss_atol=LOSS_ATOL,
     )
     problems += compiled_problems(per_rank, ZOO[model], backend)
-    _check(per_rank, problems, key)
+    group.check(per_rank, problems, key)
 
 
 @pytest.mark.parametrize("model", group.BF16_MODELS)
 def test_bf16_on_gpus_matches_autocast_reference(model: str) -> None:
     key = group.bf16_case(model).key
     per_rank = group.outcome(key)
-    _check(per_rank, bf16_problems(per_rank, group.reference(model, "bf16")), key)
+    group.check(per_rank, bf16_problems(per_rank, group.reference(model, "bf16")), key)
 
 
 @pytest.mark.parametrize("api", group.MASTER_APIS)
@@ -84,4 +77,4 @@ def test_bf16_masters_on_gpus_match_bf16_reference(api: str) -> None:
     key = group.master_case(api).key
     per_rank = group.outcome(key)
     ref = group.reference(group.MASTER_MODEL, "bf16_model")
-    _check(per_rank, master_problems(per_rank, ref), key)
+    group.check(per_rank, master_problems(per_rank, ref), key)

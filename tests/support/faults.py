@@ -253,6 +253,15 @@ def all_ranks_raise(
 # --- one rank raises ----------------------------------------------------------------------------
 
 
+def assert_recovered(r: dict[str, Any]) -> None:
+    """An `all_ranks_raise` result: each phase's error caught, and the run equal to a clean skip
+    with nothing of the step left behind."""
+    assert r["caught"][:3] == ["forward", "backward", "optimizer step refused"], r["caught"]
+    assert len(r["caught"]) == 4 and r["caught"][3].startswith("in graph: "), r["caught"]
+    assert r["same"], "the parameters differ from those of a run that skipped the batches"
+    assert not r["busy"]
+
+
 def one_rank_raises(
     rank: int, world: int, timeout: float, phase: str, backend: str = "eager", device: str = "cpu"
 ) -> dict[str, Any]:

@@ -35,7 +35,7 @@ import pytest
 import torch
 
 import checkpointing as ckpt
-from _dist import cached_run
+from _dist import cached_run, reemit_warnings
 from zoo import (
     ZOO,
     Case,
@@ -255,3 +255,10 @@ def reference(model: str, dtype: str = "fp32") -> Reference:
     elif dtype == "bf16_model":
         kw["model_dtype"] = torch.bfloat16
     return train_reference(spec_of(model), world(), **kw)
+
+
+def check(per_rank: list[dict], problems: list[str], what: str) -> None:
+    """Fail with every problem of the case `what`; else re-emit its ranks' warnings here."""
+    assert not problems, f"{what} differs from the reference:\n  " + "\n  ".join(problems)
+    for rank, r in enumerate(per_rank):
+        reemit_warnings(r["warnings"], where=f"rank {rank}, {what}")

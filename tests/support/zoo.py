@@ -13,14 +13,14 @@ sharing dynamo's per-function recompile budget when several run in one process.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import functools
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from unittest import mock
 
 import pytest
 import torch
@@ -452,7 +452,7 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
         kwargs["reduce_dtype"] = case.reduce_dtype
     if case.scheduler is not None:
         kwargs["scheduler"] = case.scheduler
-    with _env("ZRS_COMM_STREAMS", "1" if case.comm_streams else None):
+    with mock.patch.dict(os.environ, {"ZRS_COMM_STREAMS": "1"} if case.comm_streams else {}):
         if case.backend == "shard":  # the eager path: zrs.shard, nothing compiled
             del kwargs["backend"]
             compiled = zrs.shard(model, **kwargs)
@@ -508,20 +508,6 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
         "optimizer_state_dtypes": sorted(state_dtypes),
         "state": {k: v.detach().cpu().clone() for k, v in state.items()},
     }
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str | None) -> Iterator[None]:
-    """The environment variable `name` set to `value` (None: unset) inside the block."""
-    old = os.environ.pop(name, None)
-    if value is not None:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        os.environ.pop(name, None)
-        if old is not None:
-            os.environ[name] = old
 
 
 def run_isolated(call: Callable[[], dict], label: str) -> dict:

@@ -9,6 +9,7 @@ rate all stay on the device.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import numbers
 import warnings
@@ -16,7 +17,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
 from torch.distributed.tensor._ops._pointwise_ops import list_pointwise_strategy
 from torch.distributed.tensor._ops.utils import register_op_strategy
@@ -130,7 +132,9 @@ class GraphedStep:
         self.skipped = torch.zeros((), dtype=torch.int64, device=device)
         self.calls = 0
         self.recaptures = 0
-        self.graph: torch.cuda.CUDAGraph | None = None
+        # The captured step: its parts' graph replays and, between them, the norm's all-reduce.
+        self.graph: list[Callable[[], None]] | None = None
+        self.partials: list[torch.Tensor] = []  # each norm pool's partial norm (`_parts`)
         self.captured: list[tuple[torch.Tensor, int]] = []  # (param, its grad's address)
         self.fixed: Hyperparameters | None = None  # taken after the warmup
         # Reduced gradients at fixed addresses for every zrs model this optimizer trains.
@@ -175,17 +179,55 @@ class GraphedStep:
             yield from (p for p in group["params"] if p.requires_grad)
 
     def _run(self) -> None:
-        """The step's operations: eagerly, or under capture."""
+        """The step's operations, eagerly (or all under one capture: zrs.CapturedStep)."""
+        for _, part in self._parts():
+            part()
+
+    def _parts(self) -> list[tuple[bool, Callable[[], None]]]:
+        """The step as its parts in order, each `(capturable, call)`. The all-reduce of the
+        norm across ranks stays out of the graphs: NCCL work replayed from a graph is outside
+        the watchdog's timeout (a stalled peer would hang the replay), and a graph that holds
+        NCCL work keeps its communicator from being freed, so that `destroy_process_group()`
+        waits forever while the step object lives."""
         if self.max_norm is None and not self.check_finite:
-            self.optimizer.step()
-            return
+            return [(True, self.optimizer.step)]
         params = [p for p in self._params() if p.grad is not None]
-        grads = [p.grad for p in params]
-        norm = get_total_norm(grads, self.norm_type, foreach=True)
-        if self.max_norm is not None:
-            clip_grads_with_norm_(params, self.max_norm, norm, foreach=True)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+        pools = _norm_pools(params)
+        if all(group is None for group, _ in pools):  # nothing to reduce across ranks
+            return [(True, lambda: self._clip_check_step(params, None))]
+        self.partials = [self.norm.new_zeros(()) for _ in pools]
+        inf = self.norm_type == float("inf")
+
+        def local() -> None:
+            for partial, (_, grads) in zip(self.partials, pools, strict=True):
+                norm = get_total_norm(grads, self.norm_type, foreach=True).float()
+                partial.copy_(norm if inf else norm.pow(self.norm_type))
+
+        def reduce() -> None:
+            op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+            for partial, (group, _) in zip(self.partials, pools, strict=True):
+                if group is not None:
+                    dist.all_reduce(partial, op=op, group=group)
+
+        def finish() -> None:
+            stacked = torch.stack(self.partials)
+            norm = stacked.max() if inf else stacked.sum().pow(1.0 / self.norm_type)
+            self._clip_check_step(params, norm)
+
+        return [(True, local), (False, reduce), (True, finish)]
+
+    def _clip_check_step(self, params: list[torch.Tensor], norm: torch.Tensor | None) -> None:
+        """Clip to `norm` (None: the norm of `params`' gradients on this rank alone), check
+        it and step."""
+        if norm is None:
+            norm = get_total_norm([p.grad for p in params], self.norm_type, foreach=True)
+            if self.max_norm is not None:
+                clip_grads_with_norm_(params, self.max_norm, norm, foreach=True)
+            if isinstance(norm, DTensor):
+                norm = norm.full_tensor()
+        elif self.max_norm is not None:  # as clip_grads_with_norm_, on the local shards
+            coef = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_([_local(p.grad) for p in params], coef)
         self.norm.copy_(norm)
         self.found_inf.copy_(norm.isfinite().logical_not())
         self.skipped.add_(self.found_inf.to(torch.int64))
@@ -200,20 +242,26 @@ class GraphedStep:
         finally:
             del self.optimizer.found_inf
 
-    def _run_capturable(self) -> None:
-        """`_run` under capture. The fused kernels ignore `capturable`; torch's capture check
-        reads it."""
+    @contextlib.contextmanager
+    def _capturable(self) -> Iterator[None]:
+        """Mark the param groups capturable while a graph records them. The fused kernels
+        ignore `capturable`; torch's capture check reads it."""
         groups = self.optimizer.param_groups
         saved = [g.get("capturable") for g in groups]
         try:
             for g in groups:
                 if "capturable" in g:
                     g["capturable"] = True
-            self._run()
+            yield
         finally:
             for g, flag in zip(groups, saved, strict=True):
                 if flag is not None:
                     g["capturable"] = flag
+
+    def _run_capturable(self) -> None:
+        """`_run` inside a capture that zrs.CapturedStep holds."""
+        with self._capturable():
+            self._run()
 
     def _capture(self) -> None:
         if self.graph is not None:
@@ -231,19 +279,35 @@ class GraphedStep:
                 self._run()
                 return
             _log.info("zrs.GraphedStep: capturing again (gradients or optimizer state moved)")
-        graph = torch.cuda.CUDAGraph()
+        replays: list[Callable[[], None]] = []
+        pool = None
         torch.cuda.synchronize()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self._run_capturable()
-        self.graph = graph
+        for capturable, part in self._parts():
+            if not capturable:
+                replays.append(part)
+                continue
+            graph = torch.cuda.CUDAGraph()
+            with (
+                torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"),
+                self._capturable(),
+            ):
+                part()
+            pool = graph.pool() if pool is None else pool
+            replays.append(graph.replay)
+        self.graph = replays
         self.captured = [
             (p, _local(p.grad).data_ptr()) for p in self._params() if p.grad is not None
         ]
-        graph.replay()  # capture only recorded the step: run it
+        self._replay_parts()  # capture only recorded the step: run it
+
+    def _replay_parts(self) -> None:
+        assert self.graph is not None
+        for replay in self.graph:
+            replay()
 
     def _replay(self) -> None:
         assert self.graph is not None
-        replay_with_hooks([self.optimizer], self.graph.replay, "zrs.GraphedStep")
+        replay_with_hooks([self.optimizer], self._replay_parts, "zrs.GraphedStep")
 
     def _still_captured(self) -> bool:
         """Every gradient is where the graph reads it, and no other parameter has one."""
@@ -309,6 +373,31 @@ class Hyperparameters:
                 f"({len(self.fixed)} then {len(now)}); build a new {self.who} after "
                 "add_param_group"
             )
+
+
+def _norm_pools(params: list[torch.Tensor]) -> list[tuple[Any, list[torch.Tensor]]]:
+    """`params`' local gradients by what their norm is reduced over: `(process group, grads)`
+    for each mesh they are sharded on, `(None, grads)` for those whole on this rank (plain
+    tensors, and replicated ones such as zrs's 0-d parameters), whose norm counts once."""
+    pools: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        grad = p.grad
+        if not isinstance(grad, DTensor) or grad.device_mesh.size() == 1:
+            pools.setdefault(None, []).append(_local(grad))
+            continue
+        mesh, placements = grad.device_mesh, grad.placements
+        if all(isinstance(pl, Replicate) for pl in placements):
+            pools.setdefault(None, []).append(_local(grad))
+        elif mesh.ndim == 1 and isinstance(placements[0], Shard):
+            pools.setdefault(mesh, []).append(_local(grad))
+        else:
+            raise ZrsError(
+                "zrs.GraphedStep clips gradients that are sharded over one mesh dimension (as "
+                "zrs shards them), replicated, or plain tensors; one is a DTensor placed "
+                f"{placements} on a {mesh.ndim}-d mesh. Clip it with "
+                "torch.nn.utils.clip_grad_norm_ and step the optimizer directly"
+            )
+    return [(None if key is None else key.get_group(), grads) for key, grads in pools.items()]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

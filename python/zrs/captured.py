@@ -12,7 +12,9 @@ addresses during capture are the pool's layout, fixed from then on.
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Hashable
@@ -20,11 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zrs._core import ZrsError
 from zrs.graphed import MAX_RECAPTURES, Hyperparameters, _local, replay_with_hooks
+from zrs.replay_watch import ReplayWatch
 from zrs.runtime.grad_store import GradStore
 from zrs.runtime.handles import LIVE
 from zrs.runtime.state import ZeroState
@@ -106,8 +110,13 @@ class CapturedStep:
     - Python state that `step_fn` reads from outside its arguments (a closure variable, a
       global, a branch on a step counter) is frozen as it was at capture: pass what changes as
       an argument (a tensor, or a constant that makes its own signature).
-    - One rank only, for now: at several ranks the step raises ZrsError (captured collectives
-      are outside the NCCL watchdog's timeout, and no multi-GPU machine has verified them yet).
+    - At several ranks the step's collectives run from the graph, outside the process group's
+      watchdog: before each replay the ranks check that they are at the same step (as before
+      each compiled forward), and a replay that does not finish within the models' timeout (a
+      peer stalled or died mid-step) aborts their communicators; the next call raises ZrsError.
+      A graph that holds NCCL work keeps its communicators alive: `close()` frees the graphs,
+      and `torch.distributed.destroy_process_group()` closes every live CapturedStep first
+      (called through `torch.distributed`; a copy imported before the first capture does not).
     """
 
     def __init__(
@@ -134,6 +143,9 @@ class CapturedStep:
         self.warned = False
         # Optimizers whose load_state_dict drops the graphs (their state tensors are new).
         self.hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self.watch = ReplayWatch()  # times the replays of collectives (several ranks)
+        self.broken: str | None = None  # a replay timed out: why
+        _LIVE.add(self)
 
     @property
     def captured(self) -> int:
@@ -141,8 +153,9 @@ class CapturedStep:
         return sum(s.graph is not None for s in self.signatures.values())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.graphs:
-            _one_rank()
+        if self.broken is not None:
+            self.close()
+            raise ZrsError(self.broken)
         flat, spec = tree_flatten((args, kwargs))
         key = (spec, tuple(_signature(v) for v in flat), _mode())
         sig = self.signatures.get(key)
@@ -237,7 +250,10 @@ class CapturedStep:
                 self.hooked.add(fixed.optimizer)
                 fixed.optimizer.register_load_state_dict_post_hook(lambda _opt: self._forget())
         sig.graph = entry
+        if _collective_groups(entry):
+            _close_before_destroy()
         graph.replay()  # capture only recorded the step: run it
+        self._watch(entry)
         return _fresh(entry)
 
     def _replay(self, entry: Graph, flat: list[Any]) -> Any:
@@ -253,7 +269,52 @@ class CapturedStep:
             if isinstance(static, torch.Tensor):
                 static.copy_(value, non_blocking=True)
         replay_with_hooks([f.optimizer for f in entry.optimizers], entry.graph.replay, WHO)
+        self._watch(entry)
         return _fresh(entry)
+
+    def _watch(self, entry: Graph) -> None:
+        """At several ranks, time the replay just launched (replay_watch.py)."""
+        groups = _collective_groups(entry)
+        if not groups:
+            return
+        states = [s for ref, _, _ in entry.counts if (s := ref()) is not None]
+        timeout = min(s.timeout.total_seconds() for s in states)
+        done = torch.cuda.Event()
+        done.record()
+        self.watch.watch(done, timeout, lambda: self._abandon(states, groups, timeout))
+
+    def _abandon(self, states: list[ZeroState], groups: list[Any], timeout: float) -> None:
+        """A replay did not finish within `timeout` (on the watch's thread): mark the models
+        broken, then abort their communicators so that the hung kernels return."""
+        message = (
+            f"{WHO}: a replayed step did not finish within the timeout ({timeout:g} s): a peer "
+            "stalled or died during the step, whose collectives run from a CUDA graph, where "
+            "the process group's watchdog does not see them. Their NCCL communicators were "
+            "aborted; the ranks can no longer be trusted to agree: restart the job, from the "
+            "last checkpoint"
+        )
+        self.broken = message
+        for state in states:
+            if state.broken is None:
+                state.broken = message
+        _log.error("%s", message)
+        # An abort can wait for the graphs that hold the communicators to be freed (the next
+        # call frees them): never on this thread.
+        for backend in groups:
+            threading.Thread(target=backend.abort, name="zrs-abort", daemon=True).start()
+
+    def close(self) -> None:
+        """Free the captured graphs and their memory; later calls warm up and capture again.
+        At several ranks, call it (or let destroy_process_group do it) before the process
+        groups are destroyed: a graph holding NCCL work keeps its communicators alive."""
+        if self.broken is None and self.captured:
+            torch.cuda.synchronize()  # no graph is freed while a replay of it runs
+        for sig in self.signatures.values():
+            if sig.graph is not None:
+                sig.graph.graph.reset()
+                sig.graph = None
+                sig.calls = 0
+        self.pool = None
 
     def _forget(self) -> None:
         """An optimizer loaded a state dict: its state tensors are new, so capture again."""
@@ -261,15 +322,46 @@ class CapturedStep:
             sig.graph = None
 
 
-def _one_rank() -> None:
-    several = [s.world_size for s in LIVE.models() if s.world_size > 1]
-    if several:
-        raise ZrsError(
-            f"{WHO} captures one rank's step only (a zrs model here runs on {several[0]} ranks): "
-            "collectives replayed from a graph are outside the NCCL watchdog's timeout, and they "
-            "are not verified on several GPUs yet. Use zrs.GraphedStep, which captures the "
-            "optimizer step alone, or cuda_graphs=False"
-        )
+# Every CapturedStep alive, for destroy_process_group to close (`_close_before_destroy`).
+_LIVE: weakref.WeakSet[CapturedStep] = weakref.WeakSet()
+
+
+def _collective_groups(entry: Graph) -> list[Any]:
+    """The NCCL backends whose collectives `entry`'s graph replays: those of its models at
+    several ranks (the parameters' group, the gathers' and the reductions')."""
+    found: dict[int, Any] = {}
+    for ref, _, _ in entry.counts:
+        state = ref()
+        if state is None or state.world_size == 1:
+            continue
+        for group in (state.group, state.gather_group, state.reduce_group):
+            if group is None:
+                continue
+            try:
+                backend = group._get_backend(torch.device("cuda"))
+            except RuntimeError:
+                continue  # no CUDA backend: nothing replayed on it
+            found.setdefault(id(backend), backend)
+    return list(found.values())
+
+
+def _close_before_destroy() -> None:
+    """Make torch.distributed.destroy_process_group close every live CapturedStep first: NCCL
+    counts each graph that holds its work as a reference to the communicator, and destroying
+    the communicator waits for those references to go, forever while a step object lives."""
+    original = dist.destroy_process_group
+    if getattr(original, "zrs_closes_captured_steps", False):
+        return
+
+    @functools.wraps(original)
+    def destroy_process_group(group: Any = None) -> None:
+        for step in list(_LIVE):
+            step.close()
+        original(group)
+
+    destroy_process_group.zrs_closes_captured_steps = True  # type: ignore[attr-defined]
+    dist.destroy_process_group = destroy_process_group
+    dist.distributed_c10d.destroy_process_group = destroy_process_group
 
 
 def _signature(value: Any) -> Hashable:

@@ -215,3 +215,26 @@ def test_a_batch_at_another_storage_offset_on_each_rank_is_no_difference():
     for views, copies in run_workers(_train_on_views, 2, timeout=300):
         for name, value in views.items():
             torch.testing.assert_close(value, copies[name], rtol=0, atol=0)
+
+
+def _replays_apart(rank: int, world: int) -> str:
+    """One step, then a captured step's replay (`ZeroState.replayed`, as zrs.CapturedStep calls
+    it) that counts one forward on rank 0 and two on rank 1."""
+    from zrs.runtime.handles import LIVE
+
+    model = zrs.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+    model(torch.ones(3, 4)).sum().backward()
+    (state,) = LIVE.models()
+    try:
+        state.replayed(1 + rank, 1)
+    except zrs.ZrsError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_ranks_that_replay_different_steps_raise_before_the_replay():
+    """The step check runs before each replay (its collectives are past any timeout once
+    launched): ranks whose replays would differ both raise, naming the replay."""
+    for msg in run_workers(_replays_apart, 2, timeout=120):
+        assert "the ranks disagree before the replay that ends at forward call" in msg, msg
+        assert "forward calls" in msg, msg

@@ -11,7 +11,7 @@ collective time out as well and takes the process down 60 s after that timeout (
 pinned by `_dist.NCCL_FAULT_ENV`): zrs's error must come first. docs/faults.md, "Under NCCL".
 
 A scenario that leaves a collective pending on a GPU (every one where a rank stops issuing them)
-ends its process group: the stream stays blocked. Each is the last of its spawn: five spawns.
+ends its process group: the stream stays blocked. Each is the last of its spawn: six spawns.
 
 Every test prints each rank's latency, the seconds from the fault to its error, on lines that
 start with "nccl fault" (run with -s). Marked `gpu` (tests/conftest.py); needs two GPUs.
@@ -65,6 +65,7 @@ _PLANS = {
     "a rank recompiles alone": (faults.disagreements, (T, ("shape_on_one_rank",), CUDA)),
     "stop": (faults.peer_lost, (T, "stop", True, CUDA)),
     "kill": (faults.peer_lost, (T, "kill", False, CUDA)),
+    "stop before a replay": (faults.replay_lost, (T, CUDA)),
 }
 _RESULTS: dict[str, list | Exception] = {}
 
@@ -186,3 +187,15 @@ def test_a_lost_peer_gives_the_survivor_an_error_within_the_timeout(how):
         assert survivor["seconds"] >= TIMEOUT - 0.5, survivor
     assert "restart" in survivor.get("next", ""), survivor
     assert survivor["next_seconds"] < 1.0, survivor
+
+
+def test_a_peer_lost_during_a_captured_replay_gives_an_error_within_the_timeout():
+    """zrs.CapturedStep: rank 1 stops right before launching a replay, after the step check.
+    Rank 0's replayed collectives wait on its GPU, out of the NCCL watchdog's sight, and its host
+    waits for the loss: the replay watch aborts them at the timeout (zrs/replay_watch.py)."""
+    results = _spawn("stop before a replay")
+    assert results[1] is None, results[1]  # stopped: it left no result
+    survivor = _rank(results, 0)
+    _within_timeout("rank 1 stopped before its replay", 0, survivor)
+    assert "replayed step did not finish within the timeout" in survivor["error"], survivor
+    assert "restart" in survivor.get("next", ""), survivor

@@ -469,6 +469,46 @@ def peer_lost(
     return first
 
 
+def replay_lost(rank: int, world: int, timeout: float, device: str = "cuda") -> dict[str, Any]:
+    """zrs.CapturedStep (CUDA only): rank 1 stops (SIGSTOP) after the step check before its
+    first replay, before launching it. Rank 0's replay then waits in its collectives on the GPU,
+    where no process group's watchdog sees them, and its host waits for the loss (`.item()`).
+    The replay watch aborts the communicators at the timeout, the host read returns, and the
+    next step raises ZrsError (and so does every later one)."""
+    model, opt = build(timeout, device=device)
+    xs = batches(rank, 5, device)
+    name = "replay_lost"
+
+    def train_step(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    step = zrs.CapturedStep(train_step, warmup=1)
+    for i in range(2):  # eager, then the capture
+        step(xs[i]).item()
+
+    def lose(*_: object) -> None:
+        mark_fault(name)
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    if rank == 1:
+        opt.register_step_pre_hook(lose)  # run by the replay, right before its launch
+    try:
+        step(xs[2]).item()  # blocks until the replay ends: aborted at the timeout
+        step(xs[3])
+    except Exception as e:
+        first = _record(name, e)
+        try:
+            step(xs[4])
+        except Exception as again:
+            first["next"] = str(again)
+        return first
+    return {"error": "", "kind": "", "seconds": since_fault(name)}
+
+
 # --- several scenarios in one process group -----------------------------------------------------
 
 

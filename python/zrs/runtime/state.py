@@ -226,6 +226,26 @@ class ZeroState:
             )
         self.forwards += 1
         self.step.graph = -1
+        self._check_step(f"forward call {self.forwards}", training)
+
+    def replayed(self, forwards: int, backwards: int) -> None:
+        """A captured step (`zrs.CapturedStep`) that ran `forwards` forward calls and `backwards`
+        backwards of this model is about to be replayed: the device alone runs them, so count
+        them here, as the ops did while it was captured, and check with the peers first (the
+        replay's collectives are past any timeout once launched)."""
+        self.check_usable()
+        if self.step.busy():
+            self.recover(
+                "the previous step stopped part-way (an exception in its forward or backward)"
+            )
+        self.forwards += forwards
+        self.backwards += backwards
+        module = self.module() if self.module is not None else None
+        training = module.training if module is not None else True
+        self._check_step(f"the replay that ends at forward call {self.forwards}", training)
+
+    def _check_step(self, what: str, training: bool) -> None:
+        """Every rank is at the same call (STEP_COUNTERS), or ZrsError on every rank."""
         if self.control_group is None:
             return
         mine = [
@@ -238,24 +258,12 @@ class ZeroState:
         try:
             everyone = all_gather_ints([int(v) for v in mine], self.control_group)
         except Exception as exc:
-            raise self.failed(f"the step check before forward call {self.forwards}", exc) from exc
+            raise self.failed(f"the step check before {what}", exc) from exc
         if all(row == everyone[0] for row in everyone):
             return
-        self._disagree(everyone)
+        self._disagree(everyone, what)
 
-    def replayed(self, forwards: int, backwards: int) -> None:
-        """A captured step (`zrs.CapturedStep`, one rank) that ran `forwards` forward calls and
-        `backwards` backwards of this model is about to be replayed: the device alone runs them,
-        so count them here, as the ops did while it was captured."""
-        self.check_usable()
-        if self.step.busy():
-            self.recover(
-                "the previous step stopped part-way (an exception in its forward or backward)"
-            )
-        self.forwards += forwards
-        self.backwards += backwards
-
-    def _disagree(self, everyone: list[list[int]]) -> None:
+    def _disagree(self, everyone: list[list[int]], what: str) -> None:
         differ = [n for c, n in enumerate(STEP_COUNTERS) if len({row[c] for row in everyone}) > 1]
         table = "; ".join(
             f"rank {r}: " + ", ".join(f"{v} {n}" for v, n in zip(row, STEP_COUNTERS, strict=True))
@@ -264,7 +272,7 @@ class ZeroState:
         # Under NCCL a peer that raised mid-step is found here, not at a collective: its reason.
         why = self.peers.notes() if self.peers is not None else None
         message = (
-            f"the ranks disagree before forward call {self.forwards} on the {' and '.join(differ)} "
+            f"the ranks disagree before {what} on the {' and '.join(differ)} "
             f"({table}{'; ' + why if why else ''}): a rank ran a forward, a backward or an "
             "optimizer.step() that the others did not (or one raised), or differs in "
             "model.train()/eval() or torch.no_grad(). Every rank must run the same steps; this "

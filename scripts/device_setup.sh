@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device-machine setup for every session, then run the given command:
-#   bash scripts/device_setup.sh python3 -m pytest tests/gpu -q
+#   bash scripts/device_setup.sh python3 -m pytest tests/gpu -q -n 3 --dist loadgroup
 # Needs the zrs wheel carried in .whl/ (here: `maturin build --release -o .whl`, then
 # `run(..., carry=[".whl"])`). Installs it to /tmp/site, keeps NVLink multicast off, prebuilds
 # the CUDA copy kernels (cached in the torch extensions folder), then execs "$@" from the repo

@@ -25,6 +25,7 @@ from zoo import spec_of
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.xdist_group("captured_gpu"),
     pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning"),
 ]
 

@@ -29,6 +29,7 @@ from _dist import WorkerError, run_faulty
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.xdist_group("faults_gpu"),
     pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning"),
     pytest.mark.skipif(
         not torch.cuda.is_available() or torch.cuda.device_count() < 2,

@@ -17,6 +17,8 @@ from _dist import reemit_warnings
 
 pytestmark = [
     pytest.mark.gpu,
+    # one pytest-xdist worker for the readers of one spawned group (README: the GPU suite)
+    pytest.mark.xdist_group("gpu_group"),
     pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning"),
 ]
 

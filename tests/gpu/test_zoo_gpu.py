@@ -30,6 +30,8 @@ from zoo import ZOO
 
 pytestmark = [
     pytest.mark.gpu,
+    # one pytest-xdist worker for the readers of one spawned group (README: the GPU suite)
+    pytest.mark.xdist_group("gpu_group"),
     # Inductor's advice to enable TF32 on a GPU that has it: these tests keep fp32 exact on
     # purpose (the tolerances above assume it), so the advice is not for them.
     pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning"),

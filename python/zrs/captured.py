@@ -12,7 +12,6 @@ addresses during capture are the pool's layout, fixed from then on.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import warnings
@@ -22,13 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zrs._core import ZrsError
-from zrs.graphed import MAX_RECAPTURES, Hyperparameters, _local, replay_with_hooks
-from zrs.replay_watch import ReplayWatch
+from zrs.replay import MAX_RECAPTURES, Hyperparameters, _local, replay_with_hooks
+from zrs.replay_watch import ReplayWatch, close_before_destroy, nccl_backends
 from zrs.runtime.grad_store import GradStore
 from zrs.runtime.handles import LIVE
 from zrs.runtime.state import ZeroState
@@ -250,8 +248,8 @@ class CapturedStep:
                 self.hooked.add(fixed.optimizer)
                 fixed.optimizer.register_load_state_dict_post_hook(lambda _opt: self._forget())
         sig.graph = entry
-        if _collective_groups(entry):
-            _close_before_destroy()
+        if nccl_backends(_states(entry)):
+            close_before_destroy(_close_all)
         graph.replay()  # capture only recorded the step: run it
         self._watch(entry)
         return _fresh(entry)
@@ -274,10 +272,10 @@ class CapturedStep:
 
     def _watch(self, entry: Graph) -> None:
         """At several ranks, time the replay just launched (replay_watch.py)."""
-        groups = _collective_groups(entry)
+        states = _states(entry)
+        groups = nccl_backends(states)
         if not groups:
             return
-        states = [s for ref, _, _ in entry.counts if (s := ref()) is not None]
         timeout = min(s.timeout.total_seconds() for s in states)
         done = torch.cuda.Event()
         done.record()
@@ -322,46 +320,18 @@ class CapturedStep:
             sig.graph = None
 
 
-# Every CapturedStep alive, for destroy_process_group to close (`_close_before_destroy`).
+# Every CapturedStep alive, for destroy_process_group to close (`close_before_destroy`).
 _LIVE: weakref.WeakSet[CapturedStep] = weakref.WeakSet()
 
 
-def _collective_groups(entry: Graph) -> list[Any]:
-    """The NCCL backends whose collectives `entry`'s graph replays: those of its models at
-    several ranks (the parameters' group, the gathers' and the reductions')."""
-    found: dict[int, Any] = {}
-    for ref, _, _ in entry.counts:
-        state = ref()
-        if state is None or state.world_size == 1:
-            continue
-        for group in (state.group, state.gather_group, state.reduce_group):
-            if group is None:
-                continue
-            try:
-                backend = group._get_backend(torch.device("cuda"))
-            except RuntimeError:
-                continue  # no CUDA backend: nothing replayed on it
-            found.setdefault(id(backend), backend)
-    return list(found.values())
+def _states(entry: Graph) -> list[ZeroState]:
+    """The models `entry` steps (those still alive)."""
+    return [s for ref, _, _ in entry.counts if (s := ref()) is not None]
 
 
-def _close_before_destroy() -> None:
-    """Make torch.distributed.destroy_process_group close every live CapturedStep first: NCCL
-    counts each graph that holds its work as a reference to the communicator, and destroying
-    the communicator waits for those references to go, forever while a step object lives."""
-    original = dist.destroy_process_group
-    if getattr(original, "zrs_closes_captured_steps", False):
-        return
-
-    @functools.wraps(original)
-    def destroy_process_group(group: Any = None) -> None:
-        for step in list(_LIVE):
-            step.close()
-        original(group)
-
-    destroy_process_group.zrs_closes_captured_steps = True  # type: ignore[attr-defined]
-    dist.destroy_process_group = destroy_process_group
-    dist.distributed_c10d.destroy_process_group = destroy_process_group
+def _close_all() -> None:
+    for step in list(_LIVE):
+        step.close()
 
 
 def _signature(value: Any) -> Hashable:

@@ -1,4 +1,5 @@
-"""A watchdog for collectives replayed from CUDA graphs (zrs.CapturedStep at several ranks).
+"""Collectives replayed from CUDA graphs (zrs.CapturedStep at several ranks): a watchdog for
+the replays, and the graphs freed before their communicators.
 
 The process group's own watchdog times the collectives it launched, not those a graph replays
 (PyTorch PR #103503): a peer that stalls or dies during a replay would leave this rank's GPU
@@ -6,16 +7,27 @@ waiting in an NCCL kernel forever. So each replay records an event behind it on 
 a thread checks that the event completes within the timeout. When one does not, the thread
 calls the replay's `on_timeout` once: the captured step marks its models broken and aborts
 their communicators, whose kernels then return, and its next call raises ZrsError.
+
+NCCL counts each graph that holds its work as a reference to the communicator, and destroying
+the communicator waits for those references to go: forever while a step object lives. So
+`torch.distributed.destroy_process_group` is made to free the captured graphs first.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from zrs.runtime.state import ZeroState
 
 
 class Event(Protocol):
@@ -71,3 +83,38 @@ class ReplayWatch:
             with self._wake:
                 if self._pending and self._pending[0] is replay:
                     self._pending.popleft()
+
+
+def nccl_backends(states: Iterable[ZeroState]) -> list[Any]:
+    """The NCCL backends whose collectives a captured step of these models replays: those of the
+    models at several ranks (the parameters' group, the gathers' and the reductions')."""
+    found: dict[int, Any] = {}
+    for state in states:
+        if state.world_size == 1:
+            continue
+        for group in (state.group, state.gather_group, state.reduce_group):
+            if group is None:
+                continue
+            try:
+                backend = group._get_backend(torch.device("cuda"))
+            except RuntimeError:
+                continue  # no CUDA backend: nothing replayed on it
+            found.setdefault(id(backend), backend)
+    return list(found.values())
+
+
+def close_before_destroy(close_all: Callable[[], None]) -> None:
+    """Make torch.distributed.destroy_process_group call `close_all` (free every captured graph)
+    first. Once: a later call keeps the first `close_all`."""
+    original = dist.destroy_process_group
+    if getattr(original, "zrs_closes_captured_steps", False):
+        return
+
+    @functools.wraps(original)
+    def destroy_process_group(group: Any = None) -> None:
+        close_all()
+        original(group)
+
+    destroy_process_group.zrs_closes_captured_steps = True  # type: ignore[attr-defined]
+    dist.destroy_process_group = destroy_process_group
+    dist.distributed_c10d.destroy_process_group = destroy_process_group

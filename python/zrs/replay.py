@@ -1,0 +1,107 @@
+"""What zrs.GraphedStep and zrs.CapturedStep share: a replay run with the optimizers' step
+hooks around it, and the hyperparameters a graph baked in, checked before each replay."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import (
+    _global_optimizer_post_hooks,
+    _global_optimizer_pre_hooks,
+)
+
+from zrs._core import ZrsError
+
+# Recaptures (gradients or optimizer state moved) after which the step stops capturing and runs
+# eagerly, with a warning: something reallocates them every step.
+MAX_RECAPTURES = 3
+
+
+def replay_with_hooks(
+    optimizers: list[torch.optim.Optimizer], replay: Callable[[], None], who: str
+) -> None:
+    """`replay` a graph that holds these optimizers' steps, with their step hooks (global and
+    their own) run around it, as `optimizer.step()` runs them: zrs's own count the step."""
+    for opt in optimizers:
+        for hook in (
+            *_global_optimizer_pre_hooks.values(),
+            *opt._optimizer_step_pre_hooks.values(),
+        ):
+            if hook(opt, (), {}) is not None:
+                raise ZrsError(
+                    f"{who}: an optimizer step pre-hook returned new arguments, which a captured "
+                    "step cannot take"
+                )
+    replay()
+    for opt in optimizers:
+        for hook in (
+            *opt._optimizer_step_post_hooks.values(),
+            *_global_optimizer_post_hooks.values(),
+        ):
+            hook(opt, (), {})
+
+
+class Hyperparameters:
+    """An optimizer's hyperparameters as a captured step baked them in: Python numbers by value,
+    tensors by identity (the graph reads the tensor). `check` raises ZrsError when one changed."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, who: str) -> None:
+        self.optimizer = optimizer
+        self.who = who
+        self.fixed = [_hyperparameters(g) for g in optimizer.param_groups]
+
+    def check(self) -> None:
+        now = [_hyperparameters(g) for g in self.optimizer.param_groups]
+        for i, (before, after) in enumerate(zip(self.fixed, now, strict=False)):
+            for key in before.keys() | after.keys():
+                old, new = before.get(key), after.get(key)
+                same = old is new if isinstance(old, torch.Tensor) else _equal(old, new)
+                if not same:
+                    raise ZrsError(f"{self.who}: {_changed(i, key, old, new)}")
+        if len(self.fixed) != len(now):
+            raise ZrsError(
+                f"{self.who}: the optimizer's param groups changed after the warmup "
+                f"({len(self.fixed)} then {len(now)}); build a new {self.who} after "
+                "add_param_group"
+            )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _equal(a: object, b: object) -> bool:
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    return type(a) is type(b) and a == b
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """What a captured step bakes in: numbers by value, tensors by identity."""
+    out: dict[str, Any] = {}
+    for key, value in group.items():
+        if key == "params":
+            continue
+        if isinstance(value, torch.Tensor):
+            out[key] = value  # compared by identity: the graph reads this tensor
+        elif isinstance(value, numbers.Number | tuple):
+            out[key] = value
+    return out
+
+
+def _changed(group: int, key: str, before: object, after: object) -> str:
+    if isinstance(before, torch.Tensor):
+        how = "was replaced by another object; update the tensor in place (fill_) instead"
+    else:
+        how = (
+            f"changed from {before!r} to {after!r}, but the captured step keeps the value it was "
+            f"captured with. Hold it as a tensor (e.g. {key}=torch.tensor({before!r})); "
+            "schedulers update a tensor in place, which the graph reads"
+        )
+    return f"param group {group}'s {key!r} {how}"

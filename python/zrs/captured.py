@@ -49,6 +49,10 @@ class Graph:
     optimizers: list[Hyperparameters]  # the optimizers it steps, as captured
     held: Hashable  # what it assumes stays as captured (`_held`)
     keep: list[torch.Tensor]  # the gradient buffers the graph writes, kept alive with it
+    # The NCCL backends its collectives replay on (none at one rank), and the timeout a replay
+    # gets (the least of its models'): found once, at the capture (replay_watch.py).
+    backends: list[Any] = field(default_factory=list)
+    timeout: float = 0.0
 
 
 @dataclass(eq=False)
@@ -243,13 +247,15 @@ class CapturedStep:
             keep=[t for s in models if s.grad_store for t in s.grad_store.tensors()],
         )
         entry.held = _held(entry)
+        entry.backends = nccl_backends(_states(entry))
+        if entry.backends:
+            entry.timeout = min(s.timeout.total_seconds() for s in _states(entry))
+            close_before_destroy(_close_all)
         for fixed in entry.optimizers:
             if fixed.optimizer not in self.hooked:
                 self.hooked.add(fixed.optimizer)
                 fixed.optimizer.register_load_state_dict_post_hook(lambda _opt: self._forget())
         sig.graph = entry
-        if nccl_backends(_states(entry)):
-            close_before_destroy(_close_all)
         graph.replay()  # capture only recorded the step: run it
         self._watch(entry)
         return _fresh(entry)
@@ -272,33 +278,30 @@ class CapturedStep:
 
     def _watch(self, entry: Graph) -> None:
         """At several ranks, time the replay just launched (replay_watch.py)."""
-        states = _states(entry)
-        groups = nccl_backends(states)
-        if not groups:
+        if not entry.backends:
             return
-        timeout = min(s.timeout.total_seconds() for s in states)
         done = torch.cuda.Event()
         done.record()
-        self.watch.watch(done, timeout, lambda: self._abandon(states, groups, timeout))
+        self.watch.watch(done, entry.timeout, lambda: self._abandon(entry))
 
-    def _abandon(self, states: list[ZeroState], groups: list[Any], timeout: float) -> None:
-        """A replay did not finish within `timeout` (on the watch's thread): mark the models
-        broken, then abort their communicators so that the hung kernels return."""
+    def _abandon(self, entry: Graph) -> None:
+        """A replay of `entry` did not finish within its timeout (on the watch's thread): mark
+        the models broken, then abort their communicators so that the hung kernels return."""
         message = (
-            f"{WHO}: a replayed step did not finish within the timeout ({timeout:g} s): a peer "
-            "stalled or died during the step, whose collectives run from a CUDA graph, where "
+            f"{WHO}: a replayed step did not finish within the timeout ({entry.timeout:g} s): a "
+            "peer stalled or died during the step, whose collectives run from a CUDA graph, where "
             "the process group's watchdog does not see them. Their NCCL communicators were "
             "aborted; the ranks can no longer be trusted to agree: restart the job, from the "
             "last checkpoint"
         )
         self.broken = message
-        for state in states:
+        for state in _states(entry):
             if state.broken is None:
                 state.broken = message
         _log.error("%s", message)
         # An abort can wait for the graphs that hold the communicators to be freed (the next
         # call frees them): never on this thread.
-        for backend in groups:
+        for backend in entry.backends:
             threading.Thread(target=backend.abort, name="zrs-abort", daemon=True).start()
 
     def close(self) -> None:

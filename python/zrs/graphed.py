@@ -126,7 +126,6 @@ class GraphedStep:
         self.recaptures = 0
         # The captured step: its parts' graph replays and, between them, the norm's all-reduce.
         self.graph: list[Callable[[], None]] | None = None
-        self.partials: list[torch.Tensor] = []  # each norm pool's partial norm (`_parts`)
         self.captured: list[tuple[torch.Tensor, int]] = []  # (param, its grad's address)
         self.fixed: Hyperparameters | None = None  # taken after the warmup
         # Reduced gradients at fixed addresses for every zrs model this optimizer trains.
@@ -187,22 +186,22 @@ class GraphedStep:
         pools = _norm_pools(params)
         if all(group is None for group, _ in pools):  # nothing to reduce across ranks
             return [(True, lambda: self._clip_check_step(params, None))]
-        self.partials = [self.norm.new_zeros(()) for _ in pools]
+        partials = [self.norm.new_zeros(()) for _ in pools]  # each pool's, fixed for the graphs
         inf = self.norm_type == float("inf")
 
         def local() -> None:
-            for partial, (_, grads) in zip(self.partials, pools, strict=True):
+            for partial, (_, grads) in zip(partials, pools, strict=True):
                 norm = get_total_norm(grads, self.norm_type, foreach=True).float()
                 partial.copy_(norm if inf else norm.pow(self.norm_type))
 
         def reduce() -> None:
             op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-            for partial, (group, _) in zip(self.partials, pools, strict=True):
+            for partial, (group, _) in zip(partials, pools, strict=True):
                 if group is not None:
                     dist.all_reduce(partial, op=op, group=group)
 
         def finish() -> None:
-            stacked = torch.stack(self.partials)
+            stacked = torch.stack(partials)
             norm = stacked.max() if inf else stacked.sum().pow(1.0 / self.norm_type)
             self._clip_check_step(params, norm)
 

@@ -210,6 +210,10 @@ def _shard_one(state: ZeroState, param: nn.Parameter, name: str) -> ParamHandle:
     # gradient reaches every rank (grads._replicate_scalar).
     start = state.rank * info.shard_numel if param.dim() else 0
     shard = flat[start : start + info.shard_numel].clone().requires_grad_(param.requires_grad)
+    # Every rank's shard has the same padded size for the model's life. Static, it keeps its size
+    # out of the symbols that zrs.compile's dynamic=True gives every input: a symbol per shard made
+    # each layer's compile region a body of its own, traced and compiled once per layer.
+    torch._dynamo.mark_static(shard)
     rows = state.registry.local_rows(slot, state.rank)
     local_shape = (rows, *param.shape[1:]) if param.dim() else ()
     local = shard.detach().narrow(0, 0, rows * math.prod(param.shape[1:])).view(local_shape)

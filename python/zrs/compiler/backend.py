@@ -12,10 +12,13 @@ holds. With `backend="eager"` the lowered FX graphs run as they are.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import hashlib
 import logging
+import time
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +31,24 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitioner
 
 from zrs._core import ZrsError
 from zrs.compiler import pipeline
-from zrs.compiler.plan import PlanContext
+from zrs.compiler.plan import PlanContext, graph_label
 from zrs.compiler.profile import symints
 from zrs.compiler.recompute import reroute_aliased_outputs, tag_gathers_for_recompute
 from zrs.compiler.regions import inline_regions, lift_region_gathers, resolve_gathers
-from zrs.compiler.torch_fixes import region_schemas_built_once
+from zrs.compiler.torch_fixes import region_backwards_keyed_by_value, region_schemas_built_once
 from zrs.runtime.state import ZeroState
 
 BACKENDS = ("inductor", "eager")
 _log = logging.getLogger("zrs")
+
+
+@contextlib.contextmanager
+def _progress(what: str, doing: str) -> Iterator[None]:
+    """A long compile says what it is doing (INFO on the `zrs` logger; the main job shows it)."""
+    _log.info("zrs: %s: %s", what, doing)
+    t0 = time.perf_counter()
+    yield
+    _log.info("zrs: %s: done in %.1f s", what, time.perf_counter() - t0)
 
 
 def _source_hash(*names: str) -> str:
@@ -109,8 +121,11 @@ def make_backend(state: ZeroState, backend: str):
         regions = lift_region_gathers(gm)
         resolve_gathers(gm, example_inputs, lambda shard: state.ds_ids.get(id(shard)))
         graph_id = next(state.graph_ids)
+        what = f"graph {graph_id}"
         try:
-            return _compile_graph(state, gm, example_inputs, graph_id)
+            nodes = len(gm.graph.nodes)
+            with _progress(what, f"compiling {nodes} FX nodes, {regions} repeated-block bodies"):
+                return _compile_graph(state, gm, example_inputs, graph_id)
         except ZrsError:
             raise
         except Exception as e:
@@ -127,7 +142,8 @@ def make_backend(state: ZeroState, backend: str):
                 str(e).splitlines()[0] if str(e) else "",
             )
             inline_regions(gm)
-            return _compile_graph(state, gm, example_inputs, graph_id)
+            with _progress(what, "compiling again, each layer on its own"):
+                return _compile_graph(state, gm, example_inputs, graph_id)
 
     def _compile_graph(
         state: ZeroState, gm: fx.GraphModule, example_inputs: list[Any], graph_id: int
@@ -153,10 +169,11 @@ def make_backend(state: ZeroState, backend: str):
                 enable_autograd_cache=False, force_non_lazy_backward_lowering=True
             ),
             region_schemas_built_once(),
+            region_backwards_keyed_by_value(),
         ):
             if backend == "inductor":
                 return _inductor(gm, example_inputs, graph_id, check, lower, context, keeps)
-            return _eager(gm, example_inputs, check, lower, context, keeps)
+            return _eager(gm, example_inputs, graph_id, check, lower, context, keeps)
 
     return zrs_backend
 
@@ -196,9 +213,13 @@ def _inductor(
             # only (which skips the pass) would leave the others waiting in the exchange.
             patches["fx_graph_cache"] = False
         token = _CURRENT.set((graph_id, is_backward, keep, lower, ctx, gm.graph))
+        what = graph_label(graph_id, is_backward)
         try:
             # Patched per graph, not around compile_fx: the forward and the backward differ.
-            with inductor_config.patch(patches):
+            with (
+                inductor_config.patch(patches),
+                _progress(what, "zrs's passes (lower, profile, plan) and inductor's codegen"),
+            ):
                 return compile_fx_inner(gm, inputs, **kwargs)
         finally:
             _CURRENT.reset(token)
@@ -207,11 +228,15 @@ def _inductor(
         return compile_fx(gm, example_inputs, inner_compile=inner)
 
 
-def _eager(gm: fx.GraphModule, example_inputs: list[Any], check, lower, context, keeps):
+def _eager(
+    gm: fx.GraphModule, example_inputs: list[Any], graph_id: int, check, lower, context, keeps
+):
     def compiler(is_backward: bool, keep: bool):
         def run(gm: fx.GraphModule, inputs: list[Any]):
             check(gm.graph, is_backward)
-            lower(gm.graph, is_backward, keep, context())
+            what = graph_label(graph_id, is_backward)
+            with _progress(what, "zrs's passes (lower, profile, plan)"):
+                lower(gm.graph, is_backward, keep, context())
             gm.recompile()
             return make_boxed_func(gm.forward)
 

@@ -10,7 +10,9 @@ the planner see one gather per parameter, as without regions, and passes the ful
 the body.
 
 The gather property leaves the parameter's ds_id out of the traced graph (`UNRESOLVED`), so the
-layers' bodies are identical; `resolve_gathers` writes it back from the shard tensor.
+layers' bodies are identical; `resolve_gathers` writes it back from the shard tensor. Bodies that
+dynamo kept apart only because a symbolic size was written two ways are merged first
+(`merge_same_bodies`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from zrs._core import ZrsError
 from zrs.compiler._fx import INVOKE_SUBGRAPH, region_body
@@ -110,6 +114,102 @@ def _inline(gm: fx.GraphModule, call: fx.Node) -> None:
     gm.graph.erase_node(call)
 
 
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal for the compiled code: sizes compared as expressions, not by how they are written."""
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        return (
+            isinstance(a, (int, torch.SymInt))
+            and isinstance(b, (int, torch.SymInt))
+            and (statically_known_true(a == b))
+        )
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and (a.dtype, a.device, a.layout, a.requires_grad)
+            == (b.dtype, b.device, b.layout, b.requires_grad)
+            and _same_sizes(a.shape, b.shape)
+            and _same_sizes(a.stride(), b.stride())
+            and _same_value(a.storage_offset(), b.storage_offset())
+        )
+    return type(a) is type(b) and a == b
+
+
+def _same_sizes(a: Any, b: Any) -> bool:
+    return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _same_body(a: fx.GraphModule, b: fx.GraphModule) -> bool:
+    """The two bodies compute the same thing from operands alike, whatever their node names."""
+    a_nodes, b_nodes = list(a.graph.nodes), list(b.graph.nodes)
+    if len(a_nodes) != len(b_nodes):
+        return False
+    match: dict[fx.Node, fx.Node] = {}
+
+    def same_args(x: Any, y: Any) -> bool:
+        xs, x_spec = pytree.tree_flatten(x)
+        ys, y_spec = pytree.tree_flatten(y)
+        if x_spec != y_spec:
+            return False
+        for p, q in zip(xs, ys, strict=True):
+            if isinstance(p, fx.Node):
+                if not isinstance(q, fx.Node) or match.get(p) is not q:
+                    return False
+            elif isinstance(p, slice):
+                if not isinstance(q, slice) or not same_args(
+                    (p.start, p.stop, p.step), (q.start, q.stop, q.step)
+                ):
+                    return False
+            elif not _same_value(p, q):
+                return False
+        return True
+
+    for x, y in zip(a_nodes, b_nodes, strict=True):
+        if x.op != y.op:
+            return False
+        if x.op == "placeholder":
+            if not _same_value(x.meta.get("example_value"), y.meta.get("example_value")):
+                return False
+        elif x.op == "get_attr":
+            p, q = getattr(a, str(x.target)), getattr(b, str(y.target))
+            nested = isinstance(p, fx.GraphModule) and isinstance(q, fx.GraphModule)
+            if not (_same_body(p, q) if nested else p is q):
+                return False
+        elif x.target != y.target or not same_args((x.args, x.kwargs), (y.args, y.kwargs)):
+            return False
+        match[x] = y
+    return True
+
+
+def merge_same_bodies(gm: fx.GraphModule) -> int:
+    """Point the calls of bodies that compute the same thing at one of them; returns how many
+    bodies were dropped.
+
+    Dynamo (torch 2.11) installs a new body when an operand's metadata differs only in how a
+    symbolic size is written: the first layer's input, the embedding's output, has storage
+    256*s0*s1 where every later layer's has 256*s1*(s0 - 1) + 256*s1. The first layer then
+    compiled as a block of its own, twice the tracing and codegen of one block.
+    """
+    kept: list[tuple[fx.Node, fx.GraphModule]] = []
+    merged: dict[str, tuple[fx.Node, fx.GraphModule] | None] = {}
+    for call in list(gm.graph.find_nodes(op="call_function", target=INVOKE_SUBGRAPH)):
+        attr, body = call.args[0], region_body(call)
+        assert body is not None
+        name = str(attr.target)
+        if name not in merged:
+            merged[name] = next((k for k in kept if _same_body(k[1], body)), None)
+            if merged[name] is None:
+                kept.append((attr, body))
+        into = merged[name]
+        if into is not None:
+            call.args = (into[0], into[0].target, *call.args[2:])
+            if not attr.users:
+                gm.graph.erase_node(attr)
+    dropped = [n for n, into in merged.items() if into is not None]
+    for name in dropped:
+        gm.delete_submodule(name)
+    return len(dropped)
+
+
 def lift_region_gathers(gm: fx.GraphModule) -> int:
     """Lift the gathers of every nested compile region; returns the number of shared bodies.
 
@@ -117,6 +217,7 @@ def lift_region_gathers(gm: fx.GraphModule) -> int:
     inlined at each call instead: that model compiles the block once per layer, as without
     regions, but right.
     """
+    merge_same_bodies(gm)
     calls: dict[str, list[fx.Node]] = {}
     for n in gm.graph.find_nodes(op="call_function", target=INVOKE_SUBGRAPH):
         calls.setdefault(n.args[0].target, []).append(n)

@@ -6,6 +6,12 @@ autograd, and torch builds that schema by tracing the whole block body anew
 (`InvokeSubgraphHOP.gen_schema`). On GPT-2 XL (48 layers) that was 240 block traces per graph:
 most of AOTAutograd's joint tracing, a large part of the first step (BENCHMARKS.md). Within one
 compile, calls of one body with operands of one kind have one schema: it is built once.
+
+AOTAutograd traces a body's backward once per kind of incoming gradient, keyed by the gradients'
+metadata, where a symbolic size is compared as written: the last layer's gradient (storage
+64*s0*s1, from the head) and every other layer's (64*s1*(s0 - 1) + 64*s1, the same number) were
+two kinds, and the body's backward was traced and compiled twice. The key compares sizes by
+value.
 """
 
 from __future__ import annotations
@@ -14,9 +20,12 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import sympy
 import torch
+from torch._guards import InvokeSubgraphCache
 from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
 from torch._higher_order_ops.utils import FunctionalizeCtxWrapper
+from torch._subclasses._fake_tensor_utils import _PySymInputStub
 
 
 def _operand_key(o: Any) -> tuple:
@@ -49,3 +58,33 @@ def region_schemas_built_once() -> Iterator[None]:
         yield
     finally:
         InvokeSubgraphHOP.gen_schema = original  # type: ignore[method-assign]
+
+
+def _by_value(tangent_metadata: tuple) -> tuple:
+    """The key with each symbolic size in one canonical form (expanded)."""
+    return tuple(
+        ("size", sympy.expand(m.value.node.expr))
+        if isinstance(m, _PySymInputStub) and isinstance(m.value, torch.SymInt)
+        else m
+        for m in tangent_metadata
+    )
+
+
+@contextlib.contextmanager
+def region_backwards_keyed_by_value() -> Iterator[None]:
+    """While active, a body's backwards are looked up by the gradients' sizes' values."""
+    get, add = InvokeSubgraphCache.get_lazy_bwd_entry, InvokeSubgraphCache.add_lazy_bwd_entry
+
+    def get_by_value(self, identifier, tangent_metadata):
+        return get(self, identifier, _by_value(tangent_metadata))
+
+    def add_by_value(self, identifier, tangent_metadata, gmod):
+        return add(self, identifier, _by_value(tangent_metadata), gmod)
+
+    InvokeSubgraphCache.get_lazy_bwd_entry = get_by_value  # type: ignore[method-assign]
+    InvokeSubgraphCache.add_lazy_bwd_entry = add_by_value  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        InvokeSubgraphCache.get_lazy_bwd_entry = get  # type: ignore[method-assign]
+        InvokeSubgraphCache.add_lazy_bwd_entry = add  # type: ignore[method-assign]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import shlex
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 import zrs
 from zrs.train.data import BatchSampler, decode, encode, load_corpus
@@ -137,7 +139,13 @@ def worker(args: argparse.Namespace) -> None:
         torch.set_num_threads(max(1, _cpu_count() // local_world))
         dist.init_process_group("gloo")
     try:
-        _train(args, rank, world, device)
+        if rank == 0:  # what zrs is compiling, printed above the progress bar
+            zrs_log = logging.getLogger("zrs")
+            zrs_log.setLevel(logging.INFO)
+            with logging_redirect_tqdm(loggers=[zrs_log]):
+                _train(args, rank, world, device)
+        else:
+            _train(args, rank, world, device)
     finally:
         dist.destroy_process_group()
 

@@ -1,0 +1,107 @@
+"""The compile work of a stack of identical layers grows with its distinct blocks, not its layers.
+
+Counted, not timed: the block bodies AOTAutograd traces, the graphs inductor lowers and their FX
+nodes. The model compiles as several ranks do (`dynamic=True`, every gather a gather): at two
+ranks each shard's size was a symbol of its own, which made every layer a body of its own, and
+the first layer's input (an embedding's output) another (compiler/regions.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import pytest
+import torch
+from test_regions import Block
+from torch import nn
+from torch._dynamo.utils import compilation_time_metrics
+from torch._inductor import config as inductor_config
+from torch._inductor.graph import GraphLowering
+
+import zrs
+from lowered import as_several_ranks
+from zrs.runtime import state as runtime
+
+INVOKE = torch.ops.higher_order.invoke_subgraph
+VOCAB, DIM = 64, 16
+
+
+class Decoder(nn.Module):
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block(DIM) for _ in range(layers))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+@dataclass
+class Work:
+    body_traces: int  # AOTAutograd's joint traces of a block body
+    bodies: set[str]  # the distinct bodies the lowered graphs call
+    lowered: list[int]  # FX nodes of each graph inductor lowered, in order
+
+
+def _work(layers: int) -> Work:
+    lowered: list[int] = []
+    bodies: set[str] = set()
+    run = GraphLowering.run
+
+    def counting_run(self, *args):
+        lowered.append(len(self.module.graph.nodes))
+        calls = self.module.graph.find_nodes(op="call_function", target=INVOKE)
+        bodies.update(c.args[0].target for c in calls)
+        return run(self, *args)
+
+    torch._dynamo.reset()  # (clears the compile timers too)
+    torch.manual_seed(0)
+    with pytest.MonkeyPatch.context() as mp, inductor_config.patch(fx_graph_cache=False):
+        mp.setattr(GraphLowering, "run", counting_run)
+        try:
+            model = as_several_ranks(zrs.compile(Decoder(layers), backend="inductor", dynamic=True))
+            model(torch.randint(0, VOCAB, (2, 8))).sum().backward()
+        finally:
+            runtime.reset()
+    traces = len(compilation_time_metrics.get("invoke_subgraph_trace_joint_graph", []))
+    return Work(traces, bodies, lowered)
+
+
+@pytest.mark.slow
+def test_compile_work_is_flat_from_4_to_32_layers() -> None:
+    few, many = _work(4), _work(32)
+    assert few.body_traces == many.body_traces == 1, (few, many)
+    # One block: its forward part, called by the forward graph, and its backward part.
+    assert len(few.bodies) == len(many.bodies) == 2, (few.bodies, many.bodies)
+    # Inductor lowers the same graphs: the forward and the backward, each with its one body.
+    assert len(few.lowered) == len(many.lowered) == 4, (few.lowered, many.lowered)
+    fw, body_fw, bw, body_bw = few.lowered
+    assert many.lowered[1] == body_fw and many.lowered[3] == body_bw, "the bodies did not grow"
+    # The outer graphs hold the whole-model plan: per layer, the call and each of its six
+    # parameters' gather, wait, release and gradient traffic; a few nodes, not a block's code.
+    per_layer = [
+        (m - f) / 28 for f, m in zip((fw, bw), (many.lowered[0], many.lowered[2]), strict=True)
+    ]
+    params = 6  # the block's norm, up and down weights and biases
+    assert all(n <= 6 * params for n in per_layer), per_layer
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_a_compile_says_what_it_is_compiling(backend: str, caplog) -> None:
+    torch._dynamo.reset()
+    with caplog.at_level(logging.INFO, logger="zrs"), inductor_config.patch(fx_graph_cache=False):
+        try:
+            model = as_several_ranks(zrs.compile(Decoder(2), backend=backend, dynamic=True))
+            model(torch.randint(0, VOCAB, (2, 8))).sum().backward()
+        finally:
+            runtime.reset()
+    said = [r.getMessage() for r in caplog.records if r.name == "zrs"]
+    assert any(m.startswith("zrs: graph 0: compiling") and "1 repeated-block" in m for m in said)
+    for what in ("forward graph 0", "backward graph 0", "graph 0"):
+        started = [m for m in said if m.startswith(f"zrs: {what}: ") and "done in" not in m]
+        assert started and f"zrs: {what}: done in" in " ".join(said), (what, said)

@@ -49,10 +49,16 @@ def check_graph(state: ZeroState, graph_id: int, graph: fx.Graph, is_backward: b
     """Step 1: every rank compiles this graph now, and the same graph, or all raise."""
     what = graph_label(graph_id, is_backward)
     state.check_usable()
+    t0 = time.perf_counter()
     with state.exchanging(f"the rank check of {what}"):
         if state.peers is not None:  # every rank compiles this graph now, or all raise
             state.peers.arrive(what)
         check_same_graph(graph, state.control_group, what)
+    _spent(state, "rank_check", time.perf_counter() - t0)
+
+
+def _spent(state: ZeroState, phase: str, seconds: float) -> None:
+    state.compile_s[phase] = state.compile_s.get(phase, 0.0) + seconds
 
 
 def plan_context(state: ZeroState) -> PlanContext:
@@ -60,8 +66,10 @@ def plan_context(state: ZeroState) -> PlanContext:
     cache lookup: an automatic CUDA budget is a collective (the least free memory over ranks)."""
     budget, source = state.memory_budget, "memory_budget="
     if budget is None and state.scheduler == "search" and state.device.type == "cuda":
+        t0 = time.perf_counter()
         with state.exchanging("the exchange of the free device memory"):
             budget = device_budget(state.control_group, state.device)
+        _spent(state, "budget", time.perf_counter() - t0)
         source = (
             "the free device memory (least over the ranks, less a margin), capped at the greedy "
             "schedule's peak plus two of the largest gathers"
@@ -126,4 +134,4 @@ def lower(
     if planned is not None:
         spent |= {"profile": planned.profile_s, "plan": planned.plan_s}
     for phase, seconds in spent.items():
-        state.compile_s[phase] = state.compile_s.get(phase, 0.0) + seconds
+        _spent(state, phase, seconds)

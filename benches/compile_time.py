@@ -1,0 +1,161 @@
+"""Where the first trained step's time goes: world sizes, cold and warm caches, one line each.
+
+    python benches/compile_time.py --preset 1b --worlds 1,2 --systems zrs,fsdp2_compile \\
+        --out benches/results/compile_time.jsonl
+    python benches/compile_time.py --table benches/results/compile_time.jsonl
+
+Each (system, world) trains `--steps` steps with `benches/step.py` under torchrun twice, with one
+inductor/Triton/extensions cache folder: emptied first (cold: a fresh machine), then as the
+first run left it (warm: a restart on the same machine). Each run's record (step.py's own line,
+kept whole under "record") is summarised into the phases below, in seconds, rank 0's:
+
+  first_step     the first trained step: model build to the end of its optimizer step
+  dynamo         dynamo's bytecode tracing
+  aot            AOTAutograd, less the inductor compiles inside it
+  region_traces  of which: tracing the repeated blocks' bodies (invoke_subgraph)
+  inductor       inductor's forward and backward compiles, less zrs's passes inside them
+  codegen        of which: inductor's code generation (Triton kernels' compile follows it)
+  zrs_passes     zero3 lowering, keep, buckets, coalesce (zrs's own, inside inductor)
+  profile, plan  zrs's profile of the graph's ops and the Rust planner
+  exchanges      zrs's compile-time rank meetings: the rank check, the budget, the timed sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PASSES = ("lower", "keep", "buckets", "coalesce")
+EXCHANGES = ("rank_check", "budget", "sweep")
+
+
+def _get(d: dict, *keys: str) -> float:
+    return sum(float(d.get(k, 0.0)) for k in keys)
+
+
+def breakdown(record: dict) -> dict[str, float]:
+    """The phases of one step.py record (see the module's docstring)."""
+    t = record.get("compile_phases_s") or {}
+    z = record.get("zrs_compile_s") or {}
+    inductor_total = _get(
+        t, "compile_fx.<locals>.fw_compiler_base", "compile_fx.<locals>.bw_compiler"
+    )
+    zrs_inside = _get(z, *PASSES, "profile", "plan")
+    phases = {
+        "first_step": float(record.get("warmup_s", 0.0)),
+        "dynamo": _get(t, "bytecode_tracing"),
+        "aot": max(0.0, _get(t, "create_aot_dispatcher_function") - inductor_total),
+        "region_traces": _get(
+            t,
+            "invoke_subgraph_proxy_tensor",
+            "invoke_subgraph_trace_joint_graph",
+            "invoke_subgraph_fake_tensor",
+        ),
+        "inductor": max(0.0, inductor_total - zrs_inside),
+        "codegen": _get(t, "GraphLowering.codegen"),
+        "zrs_passes": _get(z, *PASSES),
+        "profile": _get(z, "profile"),
+        "plan": _get(z, "plan"),
+        "exchanges": _get(z, *EXCHANGES),
+    }
+    return {k: round(v, 2) for k, v in phases.items()}
+
+
+def _run(system: str, world: int, cache: Path, args: argparse.Namespace) -> dict:
+    env = dict(os.environ)
+    env |= {
+        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+        "TRITON_CACHE_DIR": str(cache / "triton"),
+        "TORCH_EXTENSIONS_DIR": str(cache / "torch_extensions"),
+    }
+    with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as out:
+        cmd = [
+            "torchrun", "--standalone", "--nproc-per-node", str(world), str(HERE / "step.py"),
+            "--preset", args.preset, "--systems", system, "--warmup", "1",
+            "--steps", str(args.steps), "--out", out.name, *shlex.split(args.step_args),
+        ]  # fmt: skip
+        shown = shlex.join(cmd)
+        done = subprocess.run(cmd, env=env, timeout=args.timeout, capture_output=True, text=True)
+        lines = [json.loads(x) for x in out.read().splitlines() if x.strip()]
+    if done.returncode != 0 or not lines:
+        tail = (done.stdout + done.stderr)[-3000:]
+        return {"error": f"exit status {done.returncode}", "log_tail": tail, "command": shown}
+    return {"record": lines[-1], "command": shown}
+
+
+def measure(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for system in args.systems.split(","):
+        for world in map(int, args.worlds.split(",")):
+            cache = Path(args.cache_root) / f"{args.preset}_{system}_{world}"
+            for state in args.states.split(","):
+                if state == "cold":
+                    shutil.rmtree(cache, ignore_errors=True)
+                run = _run(system, world, cache, args)
+                row = {"system": system, "preset": args.preset, "world": world, "cache": state}
+                if "record" in run:
+                    rec = run["record"]
+                    row |= breakdown(rec) | {"step_ms_med": rec.get("step_ms_med")}
+                    row |= {"peak_GiB": rec.get("peak_GiB"), "device": rec.get("device")}
+                row |= run
+                print(json.dumps({k: v for k, v in row.items() if k != "record"}), flush=True)
+                rows.append(row)
+                if args.out:
+                    with open(args.out, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+    return rows
+
+
+COLUMNS = (
+    "first_step", "dynamo", "aot", "region_traces", "inductor", "codegen", "zrs_passes",
+    "profile", "plan", "exchanges",
+)  # fmt: skip
+
+
+def table(rows: list[dict]) -> str:
+    """A Markdown table of the rows, one per run."""
+    head = ["preset", "system", "world", "cache", *COLUMNS, "step ms"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * 4 + "---:|" * (len(head) - 4)]
+    for r in rows:
+        cells = [r["preset"], r["system"], str(r["world"]), r["cache"]]
+        if "error" in r:
+            cells += [r["error"]] + [""] * len(COLUMNS)
+        else:
+            cells += [f"{r[c]:.1f}" for c in COLUMNS] + [f"{r.get('step_ms_med') or 0:.1f}"]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="1b")
+    p.add_argument("--worlds", default="1,2", help="comma-separated world sizes")
+    p.add_argument("--systems", default="zrs,fsdp2_compile", help="step.py systems")
+    p.add_argument("--steps", type=int, default=3, help="timed steps after the first")
+    p.add_argument("--states", default="cold,warm", help="cold (emptied caches first), warm")
+    p.add_argument("--step-args", default="", help="more step.py arguments, one string")
+    p.add_argument("--timeout", type=float, default=420.0, help="seconds a run may take")
+    p.add_argument("--cache-root", default="/tmp/compile_time_cache")
+    p.add_argument("--out", type=Path, help="append the JSON lines here")
+    p.add_argument("--table", type=Path, help="print the Markdown table of this file and exit")
+    args = p.parse_args(argv)
+    if args.table is not None:
+        rows = [json.loads(x) for x in args.table.read_text().splitlines() if x.strip()]
+        print(table(rows))
+        return
+    rows = measure(args)
+    print(table(rows))
+    if any("error" in r for r in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

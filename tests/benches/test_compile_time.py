@@ -1,0 +1,56 @@
+"""benches/compile_time.py: a step.py record split into the compile's phases, and its table."""
+
+from __future__ import annotations
+
+from compile_time import breakdown, table
+
+
+def _record() -> dict:
+    return {
+        "warmup_s": 30.0,
+        "compile_phases_s": {
+            "bytecode_tracing": 4.0,
+            "create_aot_dispatcher_function": 20.0,
+            "invoke_subgraph_proxy_tensor": 1.5,
+            "invoke_subgraph_trace_joint_graph": 0.5,
+            "compile_fx.<locals>.fw_compiler_base": 6.0,
+            "compile_fx.<locals>.bw_compiler": 5.0,
+            "GraphLowering.codegen": 3.0,
+        },
+        "zrs_compile_s": dict(
+            lower=0.5,
+            keep=0.1,
+            buckets=0.1,
+            coalesce=0.3,
+            profile=2.0,
+            plan=0.5,
+            rank_check=0.2,
+            budget=0.1,
+            sweep=0.7,
+        ),
+        "step_ms_med": 101.5,
+    }
+
+
+def test_inductor_excludes_zrs_passes_and_aot_excludes_inductor() -> None:
+    b = breakdown(_record())
+    assert b["first_step"] == 30.0 and b["dynamo"] == 4.0
+    assert b["aot"] == 9.0  # 20 - (6 + 5): the inductor compiles run inside AOTAutograd
+    assert b["region_traces"] == 2.0
+    assert b["inductor"] == 7.5  # 11 - the passes, profile and plan (3.5) that ran inside it
+    assert (b["zrs_passes"], b["profile"], b["plan"], b["exchanges"]) == (1.0, 2.0, 0.5, 1.0)
+
+
+def test_a_record_without_zrs_timers_is_torch_only() -> None:
+    rec = _record()
+    del rec["zrs_compile_s"]
+    b = breakdown(rec)
+    assert b["inductor"] == 11.0 and b["zrs_passes"] == b["exchanges"] == 0.0
+
+
+def test_the_table_has_a_row_per_run_and_names_a_failed_one() -> None:
+    row = {"system": "zrs", "preset": "1b", "world": 2, "cache": "cold"}
+    ok = row | breakdown(_record()) | {"step_ms_med": 101.5}
+    failed = row | {"cache": "warm", "error": "exit status 1"}
+    lines = table([ok, failed]).splitlines()
+    assert len(lines) == 4 and "| 30.0 |" in lines[2] and "exit status 1" in lines[3]

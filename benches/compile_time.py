@@ -27,6 +27,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -83,11 +84,22 @@ def _run(system: str, world: int, cache: Path, args: argparse.Namespace) -> dict
             "--steps", str(args.steps), "--out", out.name, *shlex.split(args.step_args),
         ]  # fmt: skip
         shown = shlex.join(cmd)
-        done = subprocess.run(cmd, env=env, timeout=args.timeout, capture_output=True, text=True)
+        # A session of its own: on a timeout the workers go with torchrun, not on holding the
+        # GPUs and the caches' locks into the next run.
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            log, _ = proc.communicate(timeout=args.timeout)
+            why = f"exit status {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            log, _ = proc.communicate()
+            why = f"timed out after {args.timeout:g} s"
         lines = [json.loads(x) for x in out.read().splitlines() if x.strip()]
-    if done.returncode != 0 or not lines:
-        tail = (done.stdout + done.stderr)[-3000:]
-        return {"error": f"exit status {done.returncode}", "log_tail": tail, "command": shown}
+    if proc.returncode != 0 or not lines:
+        return {"error": why, "log_tail": log[-3000:], "command": shown}
     return {"record": lines[-1], "command": shown}
 
 

@@ -124,7 +124,10 @@ def make_backend(state: ZeroState, backend: str):
         graph_id = next(state.graph_ids)
         what = f"graph {graph_id}"
         key = record_key(state, gm.graph)
+        state.check_usable()
         with state.exchanging(f"the agreement on {what}'s compile record"):
+            if state.peers is not None:  # every rank compiles this graph now, or all raise
+                state.peers.arrive(graph_label(graph_id, False))
             recorded = Record.load(key)
             warm = agree_warm(key, recorded, state.control_group)
         record = recorded if warm and recorded is not None else Record(key)

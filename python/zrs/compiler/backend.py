@@ -34,6 +34,7 @@ from zrs.compiler import pipeline
 from zrs.compiler.plan import PlanContext, graph_label
 from zrs.compiler.profile import symints
 from zrs.compiler.recompute import reroute_aliased_outputs, tag_gathers_for_recompute
+from zrs.compiler.record import Record, agree_warm, record_key
 from zrs.compiler.regions import inline_regions, lift_region_gathers, resolve_gathers
 from zrs.compiler.torch_fixes import region_backwards_keyed_by_value, region_schemas_built_once
 from zrs.runtime.state import ZeroState
@@ -122,10 +123,24 @@ def make_backend(state: ZeroState, backend: str):
         resolve_gathers(gm, example_inputs, lambda shard: state.ds_ids.get(id(shard)))
         graph_id = next(state.graph_ids)
         what = f"graph {graph_id}"
+        key = record_key(state, gm.graph)
+        state.check_usable()
+        with state.exchanging(f"the agreement on {what}'s compile record"):
+            if state.peers is not None:  # every rank compiles this graph now, or all raise
+                state.peers.arrive(graph_label(graph_id, False))
+            recorded = Record.load(key)
+            warm = agree_warm(key, recorded, state.control_group)
+        record = recorded if warm and recorded is not None else Record(key)
         try:
             nodes = len(gm.graph.nodes)
-            with _progress(what, f"compiling {nodes} FX nodes, {regions} repeated-block bodies"):
-                return _compile_graph(state, gm, example_inputs, graph_id)
+            how = "from the record of an earlier compile" if warm else "cold"
+            with _progress(
+                what, f"compiling {nodes} FX nodes, {regions} repeated-block bodies, {how}"
+            ):
+                compiled = _compile_graph(state, gm, example_inputs, graph_id, record, warm)
+            if not warm:
+                record.save()
+            return compiled
         except ZrsError:
             raise
         except Exception as e:
@@ -143,19 +158,26 @@ def make_backend(state: ZeroState, backend: str):
             )
             inline_regions(gm)
             with _progress(what, "compiling again, each layer on its own"):
-                return _compile_graph(state, gm, example_inputs, graph_id)
+                # Cold, and not recorded: the record's key is the graph with its regions.
+                return _compile_graph(state, gm, example_inputs, graph_id, None, False)
 
     def _compile_graph(
-        state: ZeroState, gm: fx.GraphModule, example_inputs: list[Any], graph_id: int
+        state: ZeroState,
+        gm: fx.GraphModule,
+        example_inputs: list[Any],
+        graph_id: int,
+        record: Record | None,
+        warm: bool,
     ):
         def check(graph: fx.Graph, is_backward: bool) -> None:
-            pipeline.check_graph(live(), graph_id, graph, is_backward)
+            if not warm:  # warm: the ranks agreed on the dynamo graph's key (compiler/record.py)
+                pipeline.check_graph(live(), graph_id, graph, is_backward)
 
         def lower(graph: fx.Graph, is_backward: bool, keep: bool, ctx: PlanContext) -> None:
             pipeline.lower(live(), graph_id, graph, is_backward, keep, ctx)
 
         def context() -> PlanContext:
-            return pipeline.plan_context(live())
+            return pipeline.plan_context(live(), record, warm)
 
         keeps = state.keep_for_backward
         # The backward is compiled now, beside the forward, not lazily inside the first backward:
@@ -166,7 +188,10 @@ def make_backend(state: ZeroState, backend: str):
         # already taken).
         with (
             torch._functorch.config.patch(
-                enable_autograd_cache=False, force_non_lazy_backward_lowering=True
+                # Cold, a cache hit on one rank would skip the meetings in zrs's pass that the
+                # others wait in; warm, the pass meets no one (compiler/record.py).
+                enable_autograd_cache=warm,
+                force_non_lazy_backward_lowering=True,
             ),
             region_schemas_built_once(),
             region_backwards_keyed_by_value(),
@@ -208,7 +233,7 @@ def _inductor(
             # guarded on the size: Llama 1b on varying lengths compiled a graph per side of each
             # threshold (BENCHMARKS.md). Non-strict mode decides without the size, hence no guard.
             patches["triton.mix_order_reduction_non_strict_mode"] = True
-        if ctx.profile and ctx.world > 1:
+        if ctx.profile and ctx.world > 1 and not ctx.warm:
             # The profile inside the pass is exchanged between ranks: a cache hit on one rank
             # only (which skips the pass) would leave the others waiting in the exchange.
             patches["fx_graph_cache"] = False

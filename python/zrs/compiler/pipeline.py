@@ -28,6 +28,7 @@ from zrs.compiler.grad_buckets import plan_grad_buckets
 from zrs.compiler.keep import keep_for_backward
 from zrs.compiler.plan import PlanContext, device_budget, graph_label, plan_graph
 from zrs.compiler.profile import measure_collectives
+from zrs.compiler.record import Record
 from zrs.compiler.zero3 import lower_zero3
 from zrs.runtime.state import ZeroState
 
@@ -61,11 +62,19 @@ def _spent(state: ZeroState, phase: str, seconds: float) -> None:
     state.compile_s[phase] = state.compile_s.get(phase, 0.0) + seconds
 
 
-def plan_context(state: ZeroState) -> PlanContext:
+def plan_context(state: ZeroState, record: Record | None = None, warm: bool = False) -> PlanContext:
     """Step 2: the planner's options for one graph compile. Called on every rank before inductor's
-    cache lookup: an automatic CUDA budget is a collective (the least free memory over ranks)."""
+    cache lookup: an automatic CUDA budget is a collective (the least free memory over ranks).
+    Warm (`record`, compiler/record.py): the budget and the collectives' costs that the ranks
+    agreed before, with no meeting."""
     budget, source = state.memory_budget, "memory_budget="
-    if budget is None and state.scheduler == "search" and state.device.type == "cuda":
+    if warm and record is not None:
+        if budget is None and record.budget is not None:
+            budget, source = record.budget, "the budget recorded by an earlier compile"
+        elif budget is None:
+            source = "the planner's default (the greedy schedule's peak)"
+        state.cost_model, state.cost_measured = record.cost, True
+    elif budget is None and state.scheduler == "search" and state.device.type == "cuda":
         t0 = time.perf_counter()
         with state.exchanging("the exchange of the free device memory"):
             budget = device_budget(state.control_group, state.device)
@@ -85,6 +94,9 @@ def plan_context(state: ZeroState) -> PlanContext:
             )
         state.cost_measured = True
         state.compile_s["sweep"] = time.perf_counter() - t0
+    if record is not None and not warm:
+        record.budget = budget if state.memory_budget is None else None
+        record.cost = state.cost_model
     return PlanContext(
         scheduler=state.scheduler,
         budget=budget,
@@ -98,6 +110,8 @@ def plan_context(state: ZeroState) -> PlanContext:
         cost=state.cost_model,
         profile=profile,
         reduce_dtype=state.reduce_dtype,
+        record=record,
+        warm=warm,
     )
 
 

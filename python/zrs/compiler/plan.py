@@ -11,12 +11,13 @@ least free memory over the ranks, read before inductor's cache lookup.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -25,11 +26,14 @@ from torch import fx
 from zrs import _core
 from zrs import planner as zplan
 from zrs._core import ZrsError
-from zrs.compiler.consistency import check_same_plan
+from zrs.compiler.consistency import check_same_plan, signature
 from zrs.compiler.ir import build_ir
-from zrs.compiler.profile import profile_graph, size_hints
+from zrs.compiler.profile import profile_graph, recorded_hints, size_hints
 from zrs.compiler.reorder import apply_plan
 from zrs.runtime.exchange import all_gather_bytes
+
+if TYPE_CHECKING:
+    from zrs.compiler.record import Record
 
 SCHEDULERS = ("search", "greedy", "none")
 
@@ -55,6 +59,10 @@ class PlanContext:
     # The gradients' reduce dtype: a reduce-scatter moves numel x this, whatever the dtype of the
     # gradient handed to reduce_grad (the packing casts). None: the gradient's own dtype.
     reduce_dtype: torch.dtype | None = None
+    # What this compile measured and agreed (compiler/record.py): written to on a cold compile,
+    # read from on a warm one, where the pass meets no other rank.
+    record: Record | None = None
+    warm: bool = False
 
     @property
     def device_type(self) -> str:
@@ -69,9 +77,10 @@ class PlanContext:
     def key(self) -> str:
         """What the plan depends on besides the graph: part of inductor's FX cache key."""
         cost = self.collective_cost()
+        warm = f":warm {self.record.key}" if self.warm and self.record is not None else ""
         return (
             f"{self.scheduler}:{self.budget}:{self.world}:{self.device_type}:{cost}"
-            f":{self.reduce_dtype}"
+            f":{self.reduce_dtype}{warm}"
         )
 
 
@@ -87,6 +96,11 @@ class Planned:
 
 
 # --- planning ----------------------------------------------------------------------------------
+
+
+def _digest(graph: fx.Graph) -> str:
+    """The lowered graph, as every rank and every run of the same model lowers it."""
+    return hashlib.sha256("\n".join(signature(graph)).encode()).hexdigest()
 
 
 def graph_label(graph_id: int, is_backward: bool) -> str:
@@ -145,9 +159,20 @@ def plan_graph(
         return None
     what = graph_label(graph_id, is_backward)
     t0 = time.perf_counter()
-    hints = size_hints(graph, ctx.group)  # an exchange, only for a graph with symbolic sizes
-    device = torch.device(ctx.device)
-    durations = profile_graph(graph, device, ctx.group, hints) if ctx.profile else None
+    entry = _digest(graph) if ctx.record is not None else ""
+    if ctx.warm:  # what the ranks agreed before (compiler/record.py), and no meeting
+        recorded = ctx.record.graphs.get(entry) if ctx.record is not None else None
+        # Not recorded (a graph the earlier compile did not plan): sizes and costs by the
+        # analytic rules, which are the same on every rank.
+        hints = recorded_hints(graph, recorded["hints"]) if recorded else {}
+        durations = recorded["durations"] if recorded else None
+    else:
+        hints = size_hints(graph, ctx.group)  # an exchange, only for a graph with symbolic sizes
+        device = torch.device(ctx.device)
+        durations = profile_graph(graph, device, ctx.group, hints) if ctx.profile else None
+        if ctx.record is not None:
+            kept = {"hints": {str(k): v for k, v in hints.items()}, "durations": durations}
+            ctx.record.graphs[entry] = kept
     t1 = time.perf_counter()
     ir, nodes = build_ir(
         graph,
@@ -166,9 +191,10 @@ def plan_graph(
     except ZrsError as e:
         raise ZrsError(f"{what}: planning failed: {e}") from None
     budget = p["budget_bytes"]
-    check_same_plan(
-        [f"budget {budget}", f"order {p['order']}", f"groups {p['groups']}"], ctx.group, what
-    )
+    if not ctx.warm:  # from agreed inputs alone, a warm plan is the same on every rank
+        check_same_plan(
+            [f"budget {budget}", f"order {p['order']}", f"groups {p['groups']}"], ctx.group, what
+        )
     prefetches = apply_plan(graph, nodes, p["order"], p["groups"], graph_id)
     if trace:
         _write_trace(ir, p, budget, ctx, graph_id, is_backward)

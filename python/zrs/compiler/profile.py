@@ -82,12 +82,8 @@ def symints(value: Any) -> list[torch.SymInt]:
     return []
 
 
-def size_hints(graph: fx.Graph, group: dist.ProcessGroup | None) -> dict[Any, int]:
-    """The size of every symbol in the graph's inputs: this rank's hint, the largest over the
-    ranks (an exchange, only when there are symbols; every rank has the same graph).
-
-    Ranks that see different lengths hold different hints; the planner must size the graph
-    alike everywhere, and the largest plans for the worst case."""
+def _input_symbols(graph: fx.Graph) -> dict[str, tuple[Any, Any]]:
+    """Name -> (symbol, its shape env) of every symbol in the graph's shared inputs."""
     symbols: dict[str, tuple[Any, Any]] = {}
     local = rank_local_inputs(graph)
     for n in graph.find_nodes(op="placeholder"):
@@ -96,6 +92,21 @@ def size_hints(graph: fx.Graph, group: dist.ProcessGroup | None) -> dict[Any, in
         for s in symints(val(n)):
             for sym in s.node.expr.free_symbols:
                 symbols.setdefault(str(sym), (sym, s.node.shape_env))
+    return symbols
+
+
+def recorded_hints(graph: fx.Graph, recorded: dict[str, int]) -> dict[Any, int]:
+    """`size_hints` as a record kept them (by symbol name), for this graph's symbols."""
+    return {sym: recorded[name] for name, (sym, _) in _input_symbols(graph).items()}
+
+
+def size_hints(graph: fx.Graph, group: dist.ProcessGroup | None) -> dict[Any, int]:
+    """The size of every symbol in the graph's inputs: this rank's hint, the largest over the
+    ranks (an exchange, only when there are symbols; every rank has the same graph).
+
+    Ranks that see different lengths hold different hints; the planner must size the graph
+    alike everywhere, and the largest plans for the worst case."""
+    symbols = _input_symbols(graph)
     if not symbols:
         return {}
     names = sorted(symbols)

@@ -1,0 +1,84 @@
+"""Warm restarts (compiler/record.py): a second run plans from the first one's record with no
+meeting, a third hits torch's caches, all train alike; a changed option, model, world or zrs
+version compiles cold; ranks that disagree about the record compile cold, never hang."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from _dist import run_workers
+
+pytestmark = pytest.mark.slow
+MEETINGS = ("rank_check", "sweep")
+
+
+def _train(rank: int, world: int, cache: str, per_rank: bool, layers: int, options: dict) -> dict:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{cache}/rank{rank}" if per_rank else cache
+    from torch._dynamo.utils import counters
+
+    import zrs
+    from llama import PRESETS, Llama
+
+    if options.pop("version", None):
+        zrs.__version__ = "0.0.0+changed"
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(PRESETS["tiny"], n_layers=layers)
+    model = zrs.compile(Llama(cfg), **options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x = torch.randint(0, cfg.vocab_size, (cfg.micro_batch, cfg.seq_len), generator=g)
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {
+        "state": zrs.full_state_dict(model),
+        "meetings": [m for m in MEETINGS if m in model._zrs_state.compile_s],
+        "aot_hits": counters["aot_autograd"].get("autograd_cache_hit", 0),
+    }
+
+
+def _run(cache: Path, layers: int = 2, per_rank: bool = False, **options) -> list[dict]:
+    return run_workers(_train, 2, str(cache), per_rank, layers, options, timeout=600)
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
+def test_cold_then_recorded_then_cached_train_alike(tmp_path: Path) -> None:
+    cold, warm, hot = _run(tmp_path), _run(tmp_path), _run(tmp_path)
+    assert all(r["meetings"] == list(MEETINGS) for r in cold)
+    assert all(r["meetings"] == [] for r in warm + hot), "a warm compile meets no other rank"
+    assert all(r["aot_hits"] == 0 for r in cold + warm)
+    assert all(r["aot_hits"] >= 1 for r in hot), "the third run hits AOTAutograd's cache"
+    for r in [*cold[1:], *warm, *hot]:
+        _same(cold[0]["state"], r["state"])
+
+
+def test_a_changed_option_model_or_version_compiles_cold(tmp_path: Path) -> None:
+    _run(tmp_path)
+    for changed in (
+        {"reduce_dtype": torch.bfloat16},
+        {"layers": 3},
+        {"version": True},
+    ):
+        layers = changed.pop("layers", 2)
+        again = _run(tmp_path, layers, **changed)
+        assert all(r["meetings"] == list(MEETINGS) for r in again), changed
+
+
+def test_a_rank_without_the_record_makes_every_rank_compile_cold(tmp_path: Path) -> None:
+    first = _run(tmp_path, per_rank=True)
+    shutil.rmtree(tmp_path / "rank1" / "zrs_records")
+    again = _run(tmp_path, per_rank=True)
+    assert all(r["meetings"] == list(MEETINGS) for r in again)
+    _same(first[0]["state"], again[0]["state"])

@@ -34,7 +34,7 @@ from zrs.compiler import pipeline
 from zrs.compiler.plan import PlanContext, graph_label
 from zrs.compiler.profile import symints
 from zrs.compiler.recompute import reroute_aliased_outputs, tag_gathers_for_recompute
-from zrs.compiler.record import Record, agree_warm, record_key
+from zrs.compiler.record import Record, agree, record_key
 from zrs.compiler.regions import inline_regions, lift_region_gathers, resolve_gathers
 from zrs.compiler.torch_fixes import region_backwards_keyed_by_value, region_schemas_built_once
 from zrs.runtime.state import ZeroState
@@ -58,7 +58,11 @@ def _source_hash(*names: str) -> str:
 
 
 class ZeroPartitioner(CustomPartitionerFn):
-    """Min-cut rematerialization that never saves a gathered parameter for backward."""
+    """Min-cut rematerialization that never saves a gathered parameter for backward. `run` (the
+    compile record's, compiler/record.py) puts that record in AOTAutograd's cache key."""
+
+    def __init__(self, run: str = "") -> None:
+        self.run = run
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
         tag_gathers_for_recompute(gm.graph)
@@ -67,10 +71,8 @@ class ZeroPartitioner(CustomPartitionerFn):
         return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
 
     def uuid(self) -> str:
-        return _source_hash("recompute.py")
+        return f"{_source_hash('recompute.py')}:{self.run}"
 
-
-PARTITIONER = ZeroPartitioner()
 
 # (graph_id, is_backward, keep, lower, plan context, graph) of the graph inductor is
 # compiling right now; keep: a training forward of a keep_for_backward model, which keeps its last
@@ -128,9 +130,7 @@ def make_backend(state: ZeroState, backend: str):
         with state.exchanging(f"the agreement on {what}'s compile record"):
             if state.peers is not None:  # every rank compiles this graph now, or all raise
                 state.peers.arrive(graph_label(graph_id, False))
-            recorded = Record.load(key)
-            warm = agree_warm(key, recorded, state.control_group)
-        record = recorded if warm and recorded is not None else Record(key)
+            record, warm = agree(key, Record.load(key), state.control_group)
         try:
             nodes = len(gm.graph.nodes)
             how = "from the record of an earlier compile" if warm else "cold"
@@ -188,17 +188,19 @@ def make_backend(state: ZeroState, backend: str):
         # already taken).
         with (
             torch._functorch.config.patch(
-                # Cold, a cache hit on one rank would skip the meetings in zrs's pass that the
-                # others wait in; warm, the pass meets no one (compiler/record.py).
-                enable_autograd_cache=warm,
+                # With a record, the keys hold its run id: a cold compile's lookups miss, so no
+                # rank skips the meetings in zrs's pass that the others wait in, and a warm one
+                # meets no one (compiler/record.py). Without (compiling again, each layer on its
+                # own), the cache stays off.
+                enable_autograd_cache=record is not None,
                 force_non_lazy_backward_lowering=True,
             ),
             region_schemas_built_once(),
             region_backwards_keyed_by_value(),
         ):
-            if backend == "inductor":
-                return _inductor(gm, example_inputs, graph_id, check, lower, context, keeps)
-            return _eager(gm, example_inputs, graph_id, check, lower, context, keeps)
+            partitioner = ZeroPartitioner(record.run if record is not None else "")
+            args = (gm, example_inputs, graph_id, check, lower, context, keeps, partitioner)
+            return (_inductor if backend == "inductor" else _eager)(*args)
 
     return zrs_backend
 
@@ -213,7 +215,14 @@ SAME_ON_EVERY_RANK: dict[str, Any] = {"shape_padding": True, "force_shape_pad": 
 
 
 def _inductor(
-    gm: fx.GraphModule, example_inputs: list[Any], graph_id: int, check, lower, context, keeps
+    gm: fx.GraphModule,
+    example_inputs: list[Any],
+    graph_id: int,
+    check,
+    lower,
+    context,
+    keeps,
+    partitioner: ZeroPartitioner,
 ):
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -233,9 +242,10 @@ def _inductor(
             # guarded on the size: Llama 1b on varying lengths compiled a graph per side of each
             # threshold (BENCHMARKS.md). Non-strict mode decides without the size, hence no guard.
             patches["triton.mix_order_reduction_non_strict_mode"] = True
-        if ctx.profile and ctx.world > 1 and not ctx.warm:
+        if ctx.profile and ctx.world > 1 and ctx.record is None:
             # The profile inside the pass is exchanged between ranks: a cache hit on one rank
-            # only (which skips the pass) would leave the others waiting in the exchange.
+            # only (which skips the pass) would leave the others waiting in the exchange. With a
+            # record, its run id in the key makes a cold compile's lookups miss everywhere.
             patches["fx_graph_cache"] = False
         token = _CURRENT.set((graph_id, is_backward, keep, lower, ctx, gm.graph))
         what = graph_label(graph_id, is_backward)
@@ -249,12 +259,19 @@ def _inductor(
         finally:
             _CURRENT.reset(token)
 
-    with inductor_config.patch(custom_partitioner_fn=PARTITIONER, **SAME_ON_EVERY_RANK):
+    with inductor_config.patch(custom_partitioner_fn=partitioner, **SAME_ON_EVERY_RANK):
         return compile_fx(gm, example_inputs, inner_compile=inner)
 
 
 def _eager(
-    gm: fx.GraphModule, example_inputs: list[Any], graph_id: int, check, lower, context, keeps
+    gm: fx.GraphModule,
+    example_inputs: list[Any],
+    graph_id: int,
+    check,
+    lower,
+    context,
+    keeps,
+    partitioner: ZeroPartitioner,
 ):
     def compiler(is_backward: bool, keep: bool):
         def run(gm: fx.GraphModule, inputs: list[Any]):
@@ -271,6 +288,6 @@ def _eager(
         fw_compiler=compiler(False, keep=keeps),
         bw_compiler=compiler(True, keep=False),
         inference_compiler=compiler(False, keep=False),
-        partition_fn=PARTITIONER,
+        partition_fn=partitioner,
         keep_inference_input_mutations=True,
     )(gm, example_inputs)

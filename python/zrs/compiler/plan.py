@@ -77,10 +77,11 @@ class PlanContext:
     def key(self) -> str:
         """What the plan depends on besides the graph: part of inductor's FX cache key."""
         cost = self.collective_cost()
-        warm = f":warm {self.record.key}" if self.warm and self.record is not None else ""
+        # The record's run id: a cold compile's entries serve the warm runs of its record only.
+        run = f":run {self.record.run}" if self.record is not None else ""
         return (
             f"{self.scheduler}:{self.budget}:{self.world}:{self.device_type}:{cost}"
-            f":{self.reduce_dtype}{warm}"
+            f":{self.reduce_dtype}{run}"
         )
 
 

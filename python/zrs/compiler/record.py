@@ -5,8 +5,13 @@ profile's timings and the plan are agreed, the CUDA budget is the least free mem
 collectives are timed once. Those meetings are why torch's caches stay off on a cold compile: a
 cache hit on one rank would skip the pass and leave the others waiting in it. The record keeps
 what was agreed, keyed by the dynamo graph, the options, the world size and the versions; when
-every rank holds it (one collective decision, `agree_warm`), the graph compiles from the record
-with no meeting, and AOTAutograd's and inductor's caches are on (docs/compile-time.md).
+every rank holds the same record (one collective decision, `agree`), the graph compiles from it
+with no meeting (docs/compile-time.md).
+
+Each cold compile names its record with a fresh run id (rank 0's), and that id is in the cache
+keys of the compiled code (`PlanContext.key`, `ZeroPartitioner`). So a cold compile's lookups
+always miss while its writes serve the warm runs that read its record, and no cache entry of
+another compile, whose plan may differ, is ever taken for it.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import hashlib
 import json
 import os
 import tempfile
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,9 +72,10 @@ def record_dir() -> Path:
 class Record:
     """One dynamo graph's agreed measurements: per lowered graph (by the digest of its signature)
     its size hints (symbol name -> size) and its compute timings (node name -> microseconds);
-    the budget and the collectives' cost model."""
+    the budget and the collectives' cost model; the id of the cold run that measured them."""
 
     key: str
+    run: str
     graphs: dict[str, dict[str, Any]] = field(default_factory=dict)
     budget: int | None = None
     cost: Any = None
@@ -81,26 +88,37 @@ class Record:
             return None
         if data.get("format") != FORMAT or data.get("key") != key:
             return None
-        return cls(key, data["graphs"], data["budget"], data["cost"])
+        return cls(key, data["run"], data["graphs"], data["budget"], data["cost"])
+
+    def _data(self) -> dict[str, Any]:
+        data = {"format": FORMAT, "key": self.key, "run": self.run, "graphs": self.graphs}
+        return data | {"budget": self.budget, "cost": self.cost}
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self._data(), sort_keys=True).encode()).hexdigest()
 
     def save(self) -> None:
         """Atomically, so that a rank that dies while writing leaves no half record."""
         folder = record_dir()
         folder.mkdir(parents=True, exist_ok=True)
-        data = {"format": FORMAT, "key": self.key, "graphs": self.graphs}
-        data |= {"budget": self.budget, "cost": self.cost}
         fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
+            json.dump(self._data(), f)
         os.replace(tmp, folder / f"{self.key}.json")
 
 
-def agree_warm(key: str, mine: Record | None, group: Any) -> bool:
-    """True when every rank has the same key and holds its record: one collective at the dynamo
-    graph, where every rank is whatever its caches hold. Ranks whose graphs differ have different
-    keys, and compile cold, where the rank check names the difference."""
-    said = (key + ("1" if mine is not None else "0")).encode()
+def agree(key: str, mine: Record | None, group: Any) -> tuple[Record, bool]:
+    """The record this graph compiles with, and whether it is warm: the one every rank holds, the
+    same to the byte, else a new one for a cold compile, named by rank 0's run id. One collective
+    at the dynamo graph, which every rank compiles whatever its caches hold. Ranks whose graphs
+    differ have different keys and compile cold, where the rank check names the difference."""
+    held = mine.digest() if mine is not None else "none"
+    said = json.dumps({"key": key, "held": held, "run": uuid.uuid4().hex})
     if group is None or torch.distributed.get_world_size(group) == 1:
-        return mine is not None
-    everyone = all_gather_bytes(said, group)
-    return all(s == everyone[0] for s in everyone) and said.endswith(b"1")
+        everyone = [said]
+    else:
+        everyone = [s.decode() for s in all_gather_bytes(said.encode(), group)]
+    told = [json.loads(s) for s in everyone]
+    if mine is not None and all(t["key"] == key and t["held"] == held for t in told):
+        return mine, True
+    return Record(key, told[0]["run"]), False

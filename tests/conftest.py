@@ -1,14 +1,30 @@
 """Shared pytest configuration: GPU tests run where there are at least two CUDA devices, or on
-fewer when `ZRS_GPU_WORLD` asks for that many (one GPU: the single-process paths on CUDA)."""
+fewer when `ZRS_GPU_WORLD` asks for that many (one GPU: the single-process paths on CUDA). The
+compile caches of a test run are its own."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
 GPU_DEVICES_NEEDED = 2
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # One folder for the whole run (pytest-xdist's workers and spawned ranks inherit it), so that
+    # tests share compiled code, and a new one for each run: zrs's compile records
+    # (compiler/record.py) of an earlier run would make a compile warm that a test expects cold.
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="zrs-tests-inductor-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -30,6 +30,8 @@ __all__ = [
     "checkpoint",
     "compile",
     "full_state_dict",
+    "load_cache_artifacts",
+    "save_cache_artifacts",
     "shard",
 ]
 __version__ = "0.1.0"
@@ -181,6 +183,24 @@ def compile(
         dynamic = True
     wrap.compile_in_place(model, make_backend(state, backend), entry, dynamic)
     return model
+
+
+def save_cache_artifacts() -> bytes:
+    """The compiled code of this process's `zrs.compile` models, to move to another machine:
+    `torch.compiler.save_cache_artifacts()`'s entries with zrs's records of the same compiles
+    (docs/compile-time.md). Each rank saves its own. Call after the first trained step."""
+    from zrs.compiler.record import save_artifacts
+
+    return save_artifacts()
+
+
+def load_cache_artifacts(artifacts: bytes) -> None:
+    """Load `zrs.save_cache_artifacts()`'s bytes into this machine's caches, before `zrs.compile`,
+    so that its first compile is warm: with no rank meeting, from torch's cached code. A compile
+    is warm only where every rank holds the same record; otherwise it is cold, never wrong."""
+    from zrs.compiler.record import load_artifacts
+
+    load_artifacts(artifacts)
 
 
 def shard(

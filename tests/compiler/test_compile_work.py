@@ -94,7 +94,10 @@ def test_compile_work_is_flat_from_4_to_32_layers() -> None:
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_a_compile_says_what_it_is_compiling(backend: str, caplog) -> None:
     torch._dynamo.reset()
-    with caplog.at_level(logging.INFO, logger="zrs"), inductor_config.patch(fx_graph_cache=False):
+    with (
+        caplog.at_level(logging.INFO, logger="zrs"),
+        inductor_config.patch(fx_graph_cache=False),
+    ):
         try:
             model = as_several_ranks(zrs.compile(Decoder(2), backend=backend, dynamic=True))
             model(torch.randint(0, VOCAB, (2, 8))).sum().backward()

@@ -1,5 +1,7 @@
 """Warm restarts (compiler/record.py): a second run meets no other rank and hits the caches the
-first one wrote, and trains alike; a changed option, model or zrs version compiles cold; a rank
+first one wrote, and trains alike, here or on another machine from the saved artifacts; a
+changed option, model or zrs version compiles cold, and so does every rank when one turns inductor's
+cache off; a rank
 whose torch caches are gone compiles alone from the record, to the same code; ranks that
 disagree about the record compile cold, never hang."""
 
@@ -21,6 +23,10 @@ MEETINGS = ("rank_check", "sweep")
 
 def _train(rank: int, world: int, cache: str, per_rank: bool, layers: int, options: dict) -> dict:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{cache}/rank{rank}" if per_rank else cache
+    if options.pop("caches_off", False) and rank == 1:
+        from torch._inductor import config as inductor_config
+
+        inductor_config.fx_graph_cache = False
     from torch._dynamo.utils import counters
 
     import zrs
@@ -28,6 +34,9 @@ def _train(rank: int, world: int, cache: str, per_rank: bool, layers: int, optio
 
     if options.pop("version", None):
         zrs.__version__ = "0.0.0+changed"
+    artifacts = Path(options.pop("artifacts", cache)) / f"artifacts{rank}"
+    if options.pop("load", False):
+        zrs.load_cache_artifacts(artifacts.read_bytes())
     torch.manual_seed(0)
     cfg = dataclasses.replace(PRESETS["tiny"], n_layers=layers)
     model = zrs.compile(Llama(cfg), **options)
@@ -38,6 +47,7 @@ def _train(rank: int, world: int, cache: str, per_rank: bool, layers: int, optio
         model(x).float().pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
+    artifacts.write_bytes(zrs.save_cache_artifacts())
     return {
         "state": zrs.full_state_dict(model),
         "meetings": [m for m in MEETINGS if m in model._zrs_state.compile_s],
@@ -56,13 +66,24 @@ def _same(a: dict, b: dict) -> None:
 
 
 def test_cold_then_warm_train_alike(tmp_path: Path) -> None:
-    cold, warm = _run(tmp_path), _run(tmp_path)
+    """Warm on the same machine, and on another one from the cold run's saved artifacts."""
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    cold, warm = _run(here), _run(here)
+    moved = _run(elsewhere, artifacts=str(here), load=True)
     assert all(r["meetings"] == list(MEETINGS) for r in cold)
     assert all(r["aot_hits"] == 0 for r in cold)
-    assert all(r["meetings"] == [] for r in warm), "a warm compile meets no other rank"
-    assert all(r["aot_hits"] >= 1 for r in warm), "the cold run's caches serve the warm one"
-    for r in [*cold[1:], *warm]:
+    for r in warm + moved:
+        assert r["meetings"] == [], "a warm compile meets no other rank"
+        assert r["aot_hits"] >= 1, "the cold run's caches serve the warm one"
+    for r in [*cold[1:], *warm, *moved]:
         _same(cold[0]["state"], r["state"])
+
+
+def test_artifacts_of_something_else_are_refused() -> None:
+    import zrs
+
+    with pytest.raises(zrs.ZrsError, match=r"not zrs\.save_cache_artifacts"):
+        zrs.load_cache_artifacts(b"\x00torch's own bytes")
 
 
 def test_a_changed_option_model_or_version_compiles_cold(tmp_path: Path) -> None:
@@ -71,6 +92,7 @@ def test_a_changed_option_model_or_version_compiles_cold(tmp_path: Path) -> None
         {"reduce_dtype": torch.bfloat16},
         {"layers": 3},
         {"version": True},
+        {"caches_off": True},  # inductor's cache off on one rank: every rank compiles cold
     ):
         layers = changed.pop("layers", 2)
         again = _run(tmp_path, layers, **changed)

@@ -27,6 +27,7 @@ from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch._aot_autograd.utils import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn
 
 from zrs._core import ZrsError
@@ -130,7 +131,12 @@ def make_backend(state: ZeroState, backend: str):
         with state.exchanging(f"the agreement on {what}'s compile record"):
             if state.peers is not None:  # every rank compiles this graph now, or all raise
                 state.peers.arrive(graph_label(graph_id, False))
-            record, warm = agree(key, Record.load(key), state.control_group)
+            # Inductor's cache off (fx_graph_cache=False, or TORCHINDUCTOR_FORCE_DISABLE_CACHES=1)
+            # turns zrs's records off too: such a rank holds none, so every rank compiles cold,
+            # and writes none.
+            off = inductor_config.force_disable_caches or not inductor_config.fx_graph_cache
+            record, warm = agree(key, None if off else Record.load(key), state.control_group)
+        record = None if off else record
         try:
             nodes = len(gm.graph.nodes)
             how = "from the record of an earlier compile" if warm else "cold"
@@ -138,7 +144,7 @@ def make_backend(state: ZeroState, backend: str):
                 what, f"compiling {nodes} FX nodes, {regions} repeated-block bodies, {how}"
             ):
                 compiled = _compile_graph(state, gm, example_inputs, graph_id, record, warm)
-            if not warm:
+            if record is not None and not warm:
                 record.save()
             return compiled
         except ZrsError:
@@ -224,7 +230,6 @@ def _inductor(
     keeps,
     partitioner: ZeroPartitioner,
 ):
-    from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def inner(gm: fx.GraphModule, inputs: list[Any], **kwargs: Any):

@@ -16,6 +16,8 @@ another compile, whose plan may differ, is ever taken for it.
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -29,11 +31,17 @@ import torch
 from torch import fx
 
 import zrs
+from zrs._core import ZrsError
 from zrs.compiler.consistency import signature
 from zrs.runtime.exchange import all_gather_bytes
 from zrs.runtime.state import ZeroState
 
 FORMAT = 1
+ARTIFACTS_FORMAT = 1
+
+# The keys of the records this process compiled with, for `save_artifacts`: process-wide, as
+# torch's own list of the cache entries it wrote and read (torch.compiler.save_cache_artifacts).
+_USED: set[str] = set()
 
 
 def _example(n: fx.Node) -> str:
@@ -88,6 +96,7 @@ class Record:
             return None
         if data.get("format") != FORMAT or data.get("key") != key:
             return None
+        _USED.add(key)
         return cls(key, data["run"], data["graphs"], data["budget"], data["cost"])
 
     def _data(self) -> dict[str, Any]:
@@ -98,13 +107,18 @@ class Record:
         return hashlib.sha256(json.dumps(self._data(), sort_keys=True).encode()).hexdigest()
 
     def save(self) -> None:
-        """Atomically, so that a rank that dies while writing leaves no half record."""
-        folder = record_dir()
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(self._data(), f)
-        os.replace(tmp, folder / f"{self.key}.json")
+        _write(self.key, json.dumps(self._data()))
+        _USED.add(self.key)
+
+
+def _write(key: str, text: str) -> None:
+    """Atomically, so that a rank that dies while writing leaves no half record."""
+    folder = record_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, folder / f"{key}.json")
 
 
 def agree(key: str, mine: Record | None, group: Any) -> tuple[Record, bool]:
@@ -122,3 +136,39 @@ def agree(key: str, mine: Record | None, group: Any) -> tuple[Record, bool]:
     if mine is not None and all(t["key"] == key and t["held"] == held for t in told):
         return mine, True
     return Record(key, told[0]["run"]), False
+
+
+def save_artifacts() -> bytes:
+    """torch.compiler.save_cache_artifacts's bytes with the records of this process's compiles:
+    without its record, a compile elsewhere would be cold and take none of torch's entries."""
+    from torch.compiler import save_cache_artifacts
+
+    saved = save_cache_artifacts()
+    records = {}
+    for key in sorted(_USED):
+        with contextlib.suppress(OSError):
+            records[key] = (record_dir() / f"{key}.json").read_text()
+    data = {"format": ARTIFACTS_FORMAT, "zrs": zrs.__version__, "torch": torch.__version__}
+    data["records"] = records
+    data["caches"] = base64.b64encode(saved[0]).decode() if saved is not None else None
+    return json.dumps(data).encode()
+
+
+def load_artifacts(blob: bytes) -> None:
+    """Put `save_artifacts`'s bytes into this machine's caches (inductor's cache folder)."""
+    from torch.compiler import load_cache_artifacts
+
+    try:
+        data = json.loads(blob)
+        usable = data.get("format") == ARTIFACTS_FORMAT
+    except (ValueError, AttributeError):
+        usable = False
+    if not usable:
+        raise ZrsError(
+            "zrs.load_cache_artifacts: these bytes are not zrs.save_cache_artifacts()'s (for "
+            "torch's own, call torch.compiler.load_cache_artifacts)"
+        )
+    if data["caches"] is not None:
+        load_cache_artifacts(base64.b64decode(data["caches"]))
+    for key, text in data["records"].items():
+        _write(key, text)

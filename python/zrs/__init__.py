@@ -106,11 +106,12 @@ def compile(
             over the same ranks, so that they need not queue behind the all-gathers prefetched
             before them (NCCL runs one communicator's collectives in issue order). False: one
             communicator for both, which then never run at the same time.
-        dynamic: passed to torch.compile. None (default): with several ranks True, every size
-            of the forward's inputs is symbolic from the first compile, so that batches whose
-            shapes change from step to step, or differ between the ranks, never make one rank
-            compile alone; with one process torch.compile's default (a shape change recompiles
-            once, with the changed sizes symbolic).
+        dynamic: passed to torch.compile. None (default): with several ranks, every size of
+            the forward's tensor arguments is symbolic from the first compile (the model's own
+            buffers stay static), so that batches whose shapes change from step to step, or
+            differ between the ranks, never make one rank compile alone; with one process
+            torch.compile's default (a shape change recompiles once, with the changed sizes
+            symbolic). True: every size of every tensor the forward reads is symbolic.
         timeout: seconds any collective or meeting of this model waits for a peer: the
             all-gathers, the reduce-scatters, the rank checks at each compile and before each
             forward. A peer that stalls, dies or raises then gives every other rank a ZrsError
@@ -179,9 +180,8 @@ def compile(
         keep_for_backward=keep_for_backward,
     )
     units.install(model, state, layered=False, limits={})
-    if dynamic is None and world > 1:
-        dynamic = True
-    wrap.compile_in_place(model, make_backend(state, backend), entry, dynamic)
+    dynamic_inputs = dynamic is None and world > 1
+    wrap.compile_in_place(model, make_backend(state, backend), entry, dynamic, dynamic_inputs)
     return model
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._dynamo.exc import TorchDynamoException
 from torch.fx.experimental import _config as fx_config
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from zrs import hf, options
 from zrs._core import Registry, ZrsError
@@ -156,10 +156,14 @@ def describe(model: nn.Module, settings: dict[str, Any]) -> list[str]:
     return lines
 
 
-def compile_in_place(model: nn.Module, backend: Any, entry: int, dynamic: bool | None) -> None:
+def compile_in_place(
+    model: nn.Module, backend: Any, entry: int, dynamic: bool | None, dynamic_inputs: bool
+) -> None:
     """Compile `model` in place; if dynamo cannot capture a repeated block as a compile region,
-    compile it again with every layer traced on its own (what `regions=False` does)."""
-    compiled = _compiled_forward(model, backend, f"zrs_forward_{entry}", dynamic)
+    compile it again with every layer traced on its own (what `regions=False` does).
+    `dynamic_inputs`: every size of the forward's tensor arguments is symbolic from the first
+    compile (`_compiled_forward`)."""
+    compiled = _compiled_forward(model, backend, f"zrs_forward_{entry}", dynamic, dynamic_inputs)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         nonlocal compiled
@@ -178,7 +182,8 @@ def compile_in_place(model: nn.Module, backend: Any, entry: int, dynamic: bool |
                 type(e).__name__,
                 str(e).splitlines()[0] if str(e) else "",
             )
-            compiled = _compiled_forward(model, backend, f"zrs_forward_{entry}_flat", dynamic)
+            flat = f"zrs_forward_{entry}_flat"
+            compiled = _compiled_forward(model, backend, flat, dynamic, dynamic_inputs)
             with hf.call_scope(model, args, kwargs):
                 return compiled(*args, **kwargs)
 
@@ -237,7 +242,9 @@ def _raised_compiling(e: BaseException) -> bool:
     return False
 
 
-def _compiled_forward(model: nn.Module, backend: Any, name: str, dynamic: bool | None) -> Any:
+def _compiled_forward(
+    model: nn.Module, backend: Any, name: str, dynamic: bool | None, dynamic_inputs: bool
+) -> Any:
     """What `model.compile(backend=...)` does, but entered through a frame of zrs code.
 
     `nn.Module.compile` compiles `model._call_impl`, and dynamo (torch 2.11) captures nothing when
@@ -257,13 +264,21 @@ def _compiled_forward(model: nn.Module, backend: Any, name: str, dynamic: bool |
     compiled = torch.compile(zrs_forward, backend=backend, dynamic=dynamic)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if dynamic_inputs:
+            # The batch's sizes symbolic, the model's own tensors (buffers) static: what
+            # dynamic=True gave minus a symbol for every buffer, which made the first compile at
+            # several ranks twice as long on the CPU (docs/compile-time.md).
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor):
+                    for dim in range(t.dim()):
+                        torch._dynamo.maybe_mark_dynamic(t, dim)
         # Duck sizing gives two sizes that are equal at the first compile one symbol (batch 8,
         # length 8): a rank whose sizes differ then traces another graph, or recompiles alone
         # once they part. Each size gets its own symbol. Float attributes (a norm's epsilon)
         # are constants: with dynamic sizes dynamo (torch 2.11) passed them to a compile region
         # as tensors read with .item(), which AOTAutograd refused, so no region survived.
         with (
-            fx_config.patch(use_duck_shape=not dynamic),
+            fx_config.patch(use_duck_shape=not (dynamic or dynamic_inputs)),
             torch._dynamo.config.patch(specialize_float=True),
         ):
             return compiled(*args, **kwargs)

@@ -51,7 +51,9 @@ system per torchrun invocation (scripts/bench_device.sh does) to isolate crashes
 and always for the DeepSpeed systems, which keep process-global state.
 
 Metrics (times are the maximum over ranks, step by step):
-  step_ms_med / step_ms_min   median / minimum of the timed steps (CUDA events on GPUs)
+  step_ms_med / step_ms_min   median / minimum of the timed steps (CUDA events on GPUs);
+                              step_ms_each: every timed step; step_ms_mean_wall: the host's
+                              wall time over the timed steps, per step
   tok_s_gpu                   micro_batch * seq_len / median step (--varlen too: nominal)
   mfu                         flops_per_token * tokens / (median step * --peak-tflops); flops per
                               token = 6 * (parameters less the input embeddings; a tied head
@@ -820,6 +822,7 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
         "step_ms_med": round(med * 1e3, 2),
         "step_ms_min": round(min(step_s) * 1e3, 2),
         "step_ms_mean_wall": round(wall_s / args.steps * 1e3, 2),
+        "step_ms_each": [round(s * 1e3, 1) for s in step_s],
         "tok_s_gpu": round(tokens / med, 1),
         "mfu": round(spec.flops_per_token() * tokens / med / (args.peak_tflops * 1e12), 4),
         # A replay allocates nothing: a captured step's memory comes from its graph's pool,

@@ -50,13 +50,20 @@ from torch.distributed.tensor import DTensor
 
 import step
 import zrs.checkpoint
+from harness.data import Data
+from harness.device import max_memory, sync
+from harness.run import cleanup, emit, environment, init_group, standalone_env
+from harness.table import fmt, read_records
+from systems.common import ALL_PRESETS, Ctx, make_spec
+from systems.fsdp2 import build_fsdp2
+from systems.zrs import build_zrs
 
 SYSTEMS = ("zrs", "fsdp2")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", choices=step.ALL_PRESETS, default="1b")
+    p.add_argument("--preset", choices=ALL_PRESETS, default="1b")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     p.add_argument("--repeats", type=int, default=3, help="timings of each kind (default 3)")
     p.add_argument("--dir", type=Path, default=Path("/tmp/ckpt_bench"), help="checkpoints' root")
@@ -79,11 +86,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def timed(device: torch.device, fn: Callable[[], object]) -> float:
     """Seconds `fn` takes on this rank, between synced and barriered points."""
-    step.sync(device)
+    sync(device)
     dist.barrier()
     t0 = time.perf_counter()
     fn()
-    step.sync(device)
+    sync(device)
     elapsed = time.perf_counter() - t0
     dist.barrier()
     return elapsed
@@ -109,16 +116,12 @@ def dir_GiB(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**30
 
 
-def measure(system: str, ctx: step.Ctx) -> dict:
+def measure(system: str, ctx: Ctx) -> dict:
     args, device, rank = ctx.args, ctx.device, ctx.rank
-    built = (
-        step.build_zrs(ctx, compiled=True)
-        if system == "zrs"
-        else step.build_fsdp2(ctx, compiled=False)
-    )
+    built = build_zrs(ctx, compiled=True) if system == "zrs" else build_fsdp2(ctx, compiled=False)
     model, opt = built.keep[0], built.keep[1]
-    loss = built.step(*step.Data(ctx, n=1)(0))  # one step: AdamW's moments exist
-    step.sync(device)
+    loss = built.step(*Data(ctx, n=1)(0))  # one step: AdamW's moments exist
+    sync(device)
     saved = {n: local(p).detach().to("cpu", copy=True) for n, p in model.named_parameters()}
     kinds: dict[str, tuple[Callable, Callable]] = {"": (plain_save, plain_load)}
     if system == "zrs":
@@ -135,13 +138,13 @@ def measure(system: str, ctx: step.Ctx) -> dict:
             with torch.no_grad():
                 for p in model.parameters():
                     p.zero_()  # so that the load has to restore them
-            step.sync(device)
+            sync(device)
             cuda = device.type == "cuda"
             allocated = torch.cuda.memory_allocated(device) / 2**30 if cuda else 0.0
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
             load_s = timed(device, lambda: load(path, model, opt))  # noqa: B023
-            times.append([save_s, load_s, step.max_memory(device), allocated])
+            times.append([save_s, load_s, max_memory(device), allocated])
             ok &= all(torch.equal(local(p).cpu(), saved[n]) for n, p in model.named_parameters())
             dist.barrier()
             if rank == 0:
@@ -185,21 +188,21 @@ def measure(system: str, ctx: step.Ctx) -> dict:
     return record
 
 
-def run_one(system: str, ctx: step.Ctx) -> dict:
+def run_one(system: str, ctx: Ctx) -> dict:
     """One system in its own process group; its record, or an error record."""
     try:
-        step.init_group(ctx)
+        init_group(ctx)
         record = measure(system, ctx)
     except Exception as e:  # report, and go on with the next system
         traceback.print_exc()
         record = {"system": system, "preset": ctx.args.preset, "world": ctx.world,
                   "rank": ctx.rank, "error": f"{type(e).__name__}: {e}"[:2000]}  # fmt: skip
     finally:
-        step.cleanup(ctx.device)
+        cleanup(ctx.device)
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-    record.update(step.environment(ctx))
+    record.update(environment(ctx))
     return record
 
 
@@ -220,8 +223,8 @@ def table(records: list[dict]) -> str:
             cells = [f"error: {r['error'].splitlines()[0][:80].replace('|', '/')}", *[""] * 6]
         else:
             cells = [pair(r, "save_s"), pair(r, "load_s"), pair(r, "zrs_save_s"),
-                     pair(r, "zrs_load_s"), step._fmt(r.get("size_GiB"), ".2f"),
-                     step._fmt(r.get("load_peak_GiB"), ".2f"), str(r.get("verified"))]  # fmt: skip
+                     pair(r, "zrs_load_s"), fmt(r.get("size_GiB"), ".2f"),
+                     fmt(r.get("load_peak_GiB"), ".2f"), str(r.get("verified"))]  # fmt: skip
         rows.append(f"| {preset} | {world} | {system} | {' | '.join(cells)} | {r['device']} |")
     return "\n".join(rows)
 
@@ -229,9 +232,9 @@ def table(records: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.table is not None:
-        print(table(step.read_records(args.table)))
+        print(table(read_records(args.table)))
         return
-    step.standalone_env()
+    standalone_env()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
@@ -241,12 +244,12 @@ def main(argv: list[str] | None = None) -> None:
         device = torch.device("cpu")
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    ctx = step.Ctx(args, step.make_spec(args), rank, world, local_rank, device)
+    ctx = Ctx(args, make_spec(args), rank, world, local_rank, device)
     records = []
     for system in args.systems:
         record = run_one(system, ctx)
         if rank == 0 or "error" in record:
-            step.emit(record, args.out)
+            emit(record, args.out)
         records.append(record)
     if rank == 0:
         print(table(records), flush=True)

@@ -1,0 +1,82 @@
+"""The zrs systems: zrs (zrs.compile), zrs_graphed (its AdamW step one CUDA graph, zrs.GraphedStep),
+zrs_captured (the whole step one CUDA graph, zrs.CapturedStep) and zrs_eager (zrs.shard, no
+torch.compile); their builder, their piece of the registry, and the compiled ones' record fields."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+
+from systems.common import DTYPES, Built, Ctx, adamw, plain_step
+
+
+def build_zrs(ctx: Ctx, compiled: bool, graphed: bool = False, captured: bool = False) -> Built:
+    """zrs.compile (the --zrs-* options are its), or zrs.shard: the same sharding, trained
+    eagerly by module hooks. `graphed`: the optimizer step replayed as a CUDA graph
+    (zrs.GraphedStep, without clipping or the non-finite check, as the other systems step).
+    `captured`: also the forward and backward, the whole step one graph (zrs.CapturedStep)."""
+    import zrs
+
+    spec = ctx.spec
+    model = ctx.master_model()
+    torch.manual_seed(ctx.args.seed)
+    common = {
+        "init_fn": spec.init_fn(model),
+        "param_dtype": ctx.param_dtype,
+        "reduce_dtype": ctx.reduce_dtype,
+        "master_dtype": DTYPES[ctx.args.master_dtype],
+    }
+    if compiled:
+        model = zrs.compile(
+            model,
+            **common,
+            backend=ctx.args.zrs_backend,
+            scheduler=ctx.args.zrs_scheduler,
+            separate_reduce_communicator=not ctx.args.zrs_shared_reduce_communicator,
+            regions=not ctx.args.zrs_no_regions,
+            dynamic=True if ctx.args.zrs_dynamic else None,
+        )
+    else:
+        model = zrs.shard(model, **common)
+    graphed = graphed or captured
+    opt = adamw(model.parameters(), ctx, fused=True if graphed else None)
+    stepper = zrs.GraphedStep(opt, check_finite=False) if graphed else None
+    step = plain_step(model, opt, spec, stepper)
+    return Built(
+        zrs.CapturedStep(step) if captured else step,
+        ctx.world,
+        ctx.args.reduce_dtype,
+        (model, opt),
+        {"zrs": getattr(zrs, "__version__", "?")},
+    )
+
+
+BUILDERS: dict[str, Callable[[Ctx], Built]] = {
+    "zrs": lambda ctx: build_zrs(ctx, compiled=True),
+    "zrs_graphed": lambda ctx: build_zrs(ctx, compiled=True, graphed=True),
+    "zrs_captured": lambda ctx: build_zrs(ctx, compiled=True, captured=True),
+    "zrs_eager": lambda ctx: build_zrs(ctx, compiled=False),
+}
+COMPILED = ("zrs", "zrs_graphed", "zrs_captured")  # the zrs.compile ones: record_fields
+
+
+def record_fields(args: argparse.Namespace, built: Built) -> dict:
+    """A zrs.compile system's own fields of the record: its options and its compile's share."""
+    record: dict = {}
+    record["zrs_backend"] = args.zrs_backend
+    record["zrs_scheduler"] = args.zrs_scheduler
+    record["zrs_regions"] = not args.zrs_no_regions
+    record["zrs_dynamic"] = bool(args.zrs_dynamic) or built.world > 1
+    record["zrs_reduce_communicator"] = (
+        "shared" if args.zrs_shared_reduce_communicator else "separate"
+    )
+    # zrs's own share of the warm-up (this rank's; dynamo, inductor and the kernel build
+    # are the rest).
+    state = built.keep[0]._zrs_state
+    record["zrs_compile_s"] = {k: round(v, 2) for k, v in sorted(state.compile_s.items())}
+    # The collectives' latency and bandwidth the planner fitted (None: not measured), to
+    # replay its plans in the simulator later (benches/scale_sim.py) without a device.
+    record["zrs_cost_model"] = state.cost_model
+    return record

@@ -16,11 +16,10 @@ from torch import nn
 
 from zrs import options, units, wrap
 from zrs._core import BudgetInfeasibleError, ZrsError
-from zrs.captured import CapturedStep
-from zrs.graphed import GraphedStep
+from zrs.checkpointing import full_state_dict
 from zrs.runtime import ops as _ops  # noqa: F401  (registers the torch.ops.zrs namespace)
 from zrs.sharding import InitFn
-from zrs.state_dict import full_state_dict
+from zrs.step import CapturedStep, GraphedStep
 
 __all__ = [
     "BudgetInfeasibleError",
@@ -300,7 +299,8 @@ def __getattr__(name: str) -> object:
     # zrs.checkpoint imports torch.distributed.checkpoint (0.5 s): only when asked for, so that
     # `import zrs` stays short for a job that never saves (the time to the first step).
     if name == "checkpoint":
-        import zrs.checkpoint
+        from zrs.checkpointing import checkpoint
 
-        return zrs.checkpoint
+        globals()["checkpoint"] = checkpoint  # as importing a submodule sets it on the package
+        return checkpoint
     raise AttributeError(f"module 'zrs' has no attribute {name!r}")

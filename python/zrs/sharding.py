@@ -27,8 +27,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from zrs import state_dict
 from zrs._core import ZrsError
+from zrs.checkpointing import state_dict
 from zrs.runtime import grads, handles
 from zrs.runtime.handles import UNRESOLVED, ParamHandle
 from zrs.runtime.state import ZeroState

@@ -18,7 +18,7 @@ from torch._dynamo.exc import TorchDynamoException
 from torch.fx.experimental import _config as fx_config
 from torch.utils._pytree import tree_leaves, tree_map
 
-from zrs import hf, options
+from zrs import integrations, options
 from zrs._core import Registry, ZrsError
 from zrs.runtime import kernels
 from zrs.runtime.collectives import new_group_like
@@ -73,7 +73,7 @@ def shard_in_place(
     shard_model(model, state, init_fn, regions)
     model._zrs_state = state
     state.module = weakref.ref(model)
-    hf.adopt_conventions(model)
+    integrations.adopt_conventions(model)
     if param_dtype is not None:
         model.register_forward_pre_hook(cast_inputs(param_dtype), with_kwargs=True)
     return state, entry
@@ -168,7 +168,7 @@ def compile_in_place(
     def call(*args: Any, **kwargs: Any) -> Any:
         nonlocal compiled
         try:
-            with hf.call_scope(model, args, kwargs):
+            with integrations.call_scope(model, args, kwargs):
                 return compiled(*args, **kwargs)
         except Exception as e:
             ours = _zrs_error(e)
@@ -184,7 +184,7 @@ def compile_in_place(
             )
             flat = f"zrs_forward_{entry}_flat"
             compiled = _compiled_forward(model, backend, flat, dynamic, dynamic_inputs)
-            with hf.call_scope(model, args, kwargs):
+            with integrations.call_scope(model, args, kwargs):
                 return compiled(*args, **kwargs)
 
     model._compiled_call_impl = guarded(model, call)

@@ -146,7 +146,7 @@ def reduce_grads(
 
 
 def _replicate_scalar(column: torch.Tensor) -> None:
-    """A 0-d parameter is replicated (sharding.py): its packed gradient goes to every rank's
+    """A 0-d parameter is replicated (prepare/sharding.py): its packed gradient goes to every rank's
     block, not to rank 0's alone, so that the reduce-scatter leaves each rank the mean."""
     column.copy_(column[:1].expand_as(column))
 

@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 import step
-import zrs.checkpoint
+import zrs  # zrs.checkpoint: zrs/checkpointing/checkpoint.py, imported at first use
 from harness.data import Data
 from harness.device import max_memory, sync
 from harness.run import cleanup, emit, environment, init_group, standalone_env

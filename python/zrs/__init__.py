@@ -14,13 +14,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zrs import options, units, wrap
+from zrs import checkpointing, integrations, prepare
 from zrs._core import BudgetInfeasibleError, ZrsError
-from zrs.captured import CapturedStep
-from zrs.graphed import GraphedStep
+from zrs.checkpointing import full_state_dict
+from zrs.prepare import InitFn
 from zrs.runtime import ops as _ops  # noqa: F401  (registers the torch.ops.zrs namespace)
-from zrs.sharding import InitFn
-from zrs.state_dict import full_state_dict
+from zrs.step import CapturedStep, GraphedStep
 
 __all__ = [
     "BudgetInfeasibleError",
@@ -132,21 +131,15 @@ def compile(
     # of inductor: 0.3 s, about 1 s without cached bytecode) are imported by zrs.compile only,
     # not by `import zrs` and zrs.shard.
     from zrs.compiler.backend import BACKENDS, make_backend
+    from zrs.compiler.forward import compile_forward
     from zrs.compiler.plan import SCHEDULERS, trace_dir_from_env
 
-    if backend not in BACKENDS:
-        raise ZrsError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
-    if scheduler not in SCHEDULERS:
-        raise ZrsError(f"unknown scheduler {scheduler!r}: choose one of {', '.join(SCHEDULERS)}")
-    _check_common(timeout, param_dtype, reduce_dtype, master_dtype, model)
-    if memory_budget is not None and (
-        isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget <= 0
-    ):
-        raise ZrsError(
-            f"memory_budget must be a positive number of bytes or None, not {memory_budget!r}"
-        )
-    group = wrap.resolve_group(process_group)
-    world = dist.get_world_size(group) if group is not None else 1
+    prepare.check_choice("backend", backend, BACKENDS)
+    prepare.check_choice("scheduler", scheduler, SCHEDULERS)
+    precision = prepare.check_common(model, timeout, param_dtype, reduce_dtype, master_dtype)
+    prepare.check_memory_budget(memory_budget)
+    group = prepare.resolve_group(process_group)
+    world = prepare.world_size(group)
     if keep_for_backward is None:
         # One rank: the kept copy (a clone under inductor) costs what the cast it saves costs, and
         # it adds to the step's peak memory (BENCHMARKS.md).
@@ -165,23 +158,27 @@ def compile(
         "timeout": timeout,
         "regions": regions,
     }
-    state, entry = wrap.shard_in_place(
-        model,
-        "zrs.compile",
-        settings,
-        group=group,
-        init_fn=init_fn,
-        regions=regions,
-        free_on_release=backend == "eager",
-        scheduler=scheduler,
-        memory_budget=memory_budget,
-        trace_dir=trace_dir_from_env(trace_dir),
-        profile=profile,
-        keep_for_backward=keep_for_backward,
-    )
-    units.install(model, state, layered=False, limits={})
+    compiler_options = {
+        "free_on_release": backend == "eager",
+        "scheduler": scheduler,
+        "memory_budget": memory_budget,
+        "trace_dir": trace_dir_from_env(trace_dir),
+        "profile": profile,
+        "keep_for_backward": keep_for_backward,
+    }
+
+    # The recipe, each step one call into the layer that owns it (docs/architecture.md).
+    links = prepare.agree_and_connect(model, group, "zrs.compile", settings)
+    state = prepare.make_state(links, precision, **compiler_options)
+    prepare.shard_parameters(model, state, init_fn, regions)
+    checkpointing.install_hooks(model)
+    integrations.adopt_conventions(model)
+    prepare.install_units(model, state, layered=False, limits={})
     dynamic_inputs = dynamic is None and world > 1
-    wrap.compile_in_place(model, make_backend(state, backend), entry, dynamic, dynamic_inputs)
+    forward = compile_forward(
+        model, make_backend(state, backend), links.entry, dynamic, dynamic_inputs
+    )
+    prepare.install_forward(model, forward)
     return model
 
 
@@ -250,20 +247,14 @@ def shard(
 
     Returns the same model object, sharded in place.
     """
-    _check_common(timeout, param_dtype, reduce_dtype, master_dtype, model)
+    precision = prepare.check_common(model, timeout, param_dtype, reduce_dtype, master_dtype)
     limits = {
         "prefetch_numel": prefetch_numel,
         "max_live_numel": max_live_numel,
         "max_reuse_distance": max_reuse_distance,
         "persist_numel": persist_numel,
     }
-    for name, value in limits.items():
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 0
-        ):
-            raise ZrsError(
-                f"{name} must be a number of elements (an int >= 0) or None, not {value!r}"
-            )
+    prepare.check_limits(limits)
     settings = {
         "api": "shard",
         "param_dtype": param_dtype,
@@ -272,35 +263,25 @@ def shard(
         "timeout": timeout,
         **limits,
     }
-    group = wrap.resolve_group(process_group)
-    state, _ = wrap.shard_in_place(
-        model, "zrs.shard", settings, group=group, init_fn=init_fn, regions=False
-    )
-    units.install(model, state, layered=True, limits=limits)
-    model._compiled_call_impl = wrap.guarded(model, model._call_impl)
+    group = prepare.resolve_group(process_group)
+
+    # The recipe, each step one call into the layer that owns it (docs/architecture.md).
+    links = prepare.agree_and_connect(model, group, "zrs.shard", settings)
+    state = prepare.make_state(links, precision)
+    prepare.shard_parameters(model, state, init_fn, regions=False)
+    checkpointing.install_hooks(model)
+    integrations.adopt_conventions(model)
+    prepare.install_units(model, state, layered=True, limits=limits)
+    prepare.install_forward(model, model._call_impl)
     return model
-
-
-def _check_common(
-    timeout: float | None,
-    param_dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype | None,
-    master_dtype: torch.dtype | None,
-    model: nn.Module,
-) -> None:
-    if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
-        raise ZrsError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
-    options.check_dtype("param_dtype", param_dtype)
-    options.check_dtype("reduce_dtype", reduce_dtype)
-    options.check_dtype("master_dtype", master_dtype)
-    options.check_param_dtypes(model, master_dtype)
 
 
 def __getattr__(name: str) -> object:
     # zrs.checkpoint imports torch.distributed.checkpoint (0.5 s): only when asked for, so that
     # `import zrs` stays short for a job that never saves (the time to the first step).
     if name == "checkpoint":
-        import zrs.checkpoint
+        from zrs.checkpointing import checkpoint
 
-        return zrs.checkpoint
+        globals()["checkpoint"] = checkpoint  # as importing a submodule sets it on the package
+        return checkpoint
     raise AttributeError(f"module 'zrs' has no attribute {name!r}")

@@ -18,8 +18,8 @@ from zoo import LR, MOMENTUM, STEPS, ZOO, compare_params, train_reference
 from zrs.compiler import backend as dynamo_backend
 from zrs.compiler import pipeline
 from zrs.compiler._fx import is_op
+from zrs.prepare.sharding import repeated_blocks
 from zrs.runtime import state as runtime
-from zrs.sharding import repeated_blocks
 
 BACKENDS = ["eager", "inductor"]
 INVOKE = torch.ops.higher_order.invoke_subgraph

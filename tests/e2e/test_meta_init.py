@@ -8,7 +8,7 @@ from torch import nn
 
 import zrs
 from _dist import run_workers
-from zrs import sharding
+from zrs.prepare import sharding
 
 
 def _build() -> nn.Module:

@@ -193,7 +193,7 @@ def test_a_lost_peer_gives_the_survivor_an_error_within_the_timeout(how):
 def test_a_peer_lost_during_a_captured_replay_gives_an_error_within_the_timeout():
     """zrs.CapturedStep: rank 1 stops right before launching a replay, after the step check.
     Rank 0's replayed collectives wait on its GPU, out of the NCCL watchdog's sight, and its host
-    waits for the loss: the replay watch aborts them at the timeout (zrs/replay_watch.py)."""
+    waits for the loss: the replay watch aborts them at the timeout (zrs/step/replay_watch.py)."""
     results = _spawn("stop before a replay")
     assert results[1] is None, results[1]  # stopped: it left no result
     survivor = _rank(results, 0)

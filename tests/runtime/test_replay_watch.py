@@ -1,4 +1,4 @@
-"""zrs.replay_watch: a replay whose event does not complete within the timeout calls its
+"""zrs.step.replay_watch: a replay whose event does not complete within the timeout calls its
 `on_timeout` once, on the watch's thread, and nothing is watched after that; completed replays
 call nothing. Fake events stand in for CUDA events (the watch only queries them)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from zrs.replay_watch import ReplayWatch
+from zrs.step.replay_watch import ReplayWatch
 
 
 class FakeEvent:

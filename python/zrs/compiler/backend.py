@@ -109,7 +109,7 @@ def make_backend(state: ZeroState, backend: str):
     It holds the model's state weakly: torch keeps every backend passed to torch.compile until
     `torch._dynamo.reset()` (`eval_frame.cached_backends`), and a strong reference there would
     keep every dropped model's state alive; so would the compiled graphs, which dynamo leaves in
-    the globals of the module of the frame it compiled (`wrap.py`). The runtime ops find the
+    the globals of the module of the frame it compiled (`forward.py`). The runtime ops find the
     state through their ds_ids (`state.LIVE`), which are weak too."""
     state_ref = weakref.ref(state)
     del state

@@ -1,6 +1,6 @@
 """On dynamo's graph, before AOTAutograd: gathers out of repeated blocks, and every gather named.
 
-A repeated block (a layer of a stack, `shard.repeated_blocks`) runs as a nested compile
+A repeated block (a layer of a stack, `prepare.sharding.repeated_blocks`) runs as a nested compile
 region: dynamo traces it into one `invoke_subgraph` body shared by every layer, and AOTAutograd
 and inductor then compile that body once, not once per layer. Its parameters' gathers are in the
 body, so they would be compiled once too, yet each layer gathers its own parameters at its own

@@ -1,8 +1,9 @@
 """The gathered parameters of the lowered ops: issue, wait and release each all-gather, and the
 copies a training forward keeps for its backward.
 
-Every table lives in the model's `StepState` (`zrs.runtime.state`); the registry decides whether a
-collective is needed and when a buffer may be freed.
+Every table lives in the model's `StepState` (`zrs.runtime.step`, which also releases a hold and
+frees the kept copies no gather took over); the registry decides whether a collective is needed and
+when a buffer may be freed.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from zrs._core import ZrsError
 from zrs.runtime import streams
 from zrs.runtime.collectives import all_gather
 from zrs.runtime.handles import ParamHandle, group_layout, handle, handles, names
-from zrs.runtime.state import StepState, ZeroState
+from zrs.runtime.state import ZeroState
+from zrs.runtime.step import Flat, StepState, drop_hold
 
 Todo = list[tuple[ParamHandle, torch.Tensor, torch.dtype]]
 
@@ -68,23 +70,6 @@ class InFlight:
             [h.shard_numel for h, _ in self.members],
             [state.step.buffers[h.ds_id] for h, _ in self.members],
         )
-
-
-@dataclass(eq=False)
-class Flat:
-    """The one buffer a fused gather's members are views of, freed when the last one is
-    released (`free_on_release`): one allocation per group, not one per parameter."""
-
-    buf: torch.Tensor
-    live: int  # members whose buffer is still a view of it
-
-    @property
-    def storage(self) -> torch.UntypedStorage:
-        return self.buf.untyped_storage()
-
-    @property
-    def nbytes(self) -> int:  # also while its storage is held back (resized to 0)
-        return self.buf.numel() * self.buf.element_size()
 
 
 def _set_buffer(st: StepState, h: ParamHandle, buf: torch.Tensor) -> None:
@@ -300,24 +285,7 @@ def release(ds_ids: list[int], keep: list[bool]) -> None:
         if kept:
             _keep(h)
         else:
-            _drop_hold(h)
-
-
-def _drop_hold(h: ParamHandle) -> None:
-    if h.state.registry.release(h.slot):
-        st = h.state.step
-        buf = st.buffers.pop(h.ds_id)
-        del st.shaped[h.ds_id]
-        flat = st.flat_of.pop(h.ds_id, None)
-        if not h.state.free_on_release:
-            return
-        # The graph's remaining aliases of the buffer are dead: the release follows the last use.
-        if flat is None:
-            buf.untyped_storage().resize_(0)
-        else:
-            flat.live -= 1
-            if flat.live == 0:
-                flat.storage.resize_(0)
+            drop_hold(h)
 
 
 # --- copies a training forward keeps for its backward (compiler/keep.py) --------------------------
@@ -349,13 +317,5 @@ def _claim_kept(h: ParamHandle, dtype: torch.dtype) -> bool:
         return False
     if version == h.shard._version and st.buffers[h.ds_id].dtype == dtype:
         return True
-    _drop_hold(h)
+    drop_hold(h)
     return False
-
-
-def drop_kept(state: ZeroState) -> None:
-    """Free the kept copies no gather took over (the backward did not use them)."""
-    kept = state.step.kept
-    for ds_id in list(kept):
-        del kept[ds_id]
-        _drop_hold(handle(ds_id))

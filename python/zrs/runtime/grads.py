@@ -1,6 +1,6 @@
 """Gradients: packed into buckets, reduce-scattered (mean over the ranks), accumulated into each
 parameter's `.grad`; the bucket being filled and the reduce-scatters in flight live in the
-model's `StepState` (`zrs.runtime.state`).
+model's `StepState` (`zrs.runtime.step`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from zrs.runtime import gather, streams
+from zrs.runtime import streams
 from zrs.runtime.collectives import reduce_scatter
 from zrs.runtime.grad_store import Key
 from zrs.runtime.handles import ParamHandle, handles, names
@@ -146,7 +146,7 @@ def reduce_grads(
 
 
 def _replicate_scalar(column: torch.Tensor) -> None:
-    """A 0-d parameter is replicated (sharding.py): its packed gradient goes to every rank's
+    """A 0-d parameter is replicated (prepare/sharding.py): its packed gradient goes to every rank's
     block, not to rank 0's alone, so that the reduce-scatter leaves each rank the mean."""
     column.copy_(column[:1].expand_as(column))
 
@@ -238,7 +238,7 @@ def finish_grads(state: ZeroState) -> None:
         _flush(state)
     while st.reducing:
         _complete(st.reducing.pop(0))
-    gather.drop_kept(state)
+    state.step.drop_kept()
     state.backwards += 1
 
 

@@ -1,7 +1,9 @@
 """Parameter handles and the process index: what the ops find from the integers in the graphs.
 
 Each model's `ZeroState` owns its `ParamHandle`s; `LIVE` maps a ds_id to its handle and knows
-the live models, weakly, so dropping a model frees it (docs/architecture.md).
+the live models, weakly, so dropping a model frees it (docs/architecture.md). Only the runtime's
+leaves sit below this module: it knows a model's state as the `Model` protocol, which
+`zrs.runtime.state.ZeroState`, built on this module, satisfies.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -20,11 +22,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from zrs._core import ZrsError
-
-if TYPE_CHECKING:
-    from zrs.runtime.state import ZeroState
-
+from zrs._core import Registry, ZrsError
 
 UNRESOLVED = -1  # the ds_id of a gather as the gather property traces it (compiler/regions.py)
 # Inductor's CUDA code assumes, and asserts, that a custom op's outputs start 16-byte aligned.
@@ -43,6 +41,18 @@ def group_layout(numels: list[int], itemsize: int) -> tuple[list[int], int]:
     return starts, end
 
 
+class Model(Protocol):
+    """What this module needs of a model's state (`zrs.runtime.state.ZeroState`): its registry and
+    the handles it owns, its count of optimizer steps, and what it drops before a step."""
+
+    registry: Registry
+    handles: list[ParamHandle]
+    ds_ids: dict[int, int]  # id(shard) -> ds_id
+    optimizer_steps: int
+
+    def before_optimizer_step(self) -> None: ...
+
+
 @dataclass(eq=False)
 class ParamHandle:
     """What the ops need about one sharded parameter, keyed by its process-wide `ds_id`.
@@ -54,7 +64,7 @@ class ParamHandle:
 
     ds_id: int
     slot: int  # its place in the model's registry
-    state: ZeroState
+    state: Model  # its model's `ZeroState`
     shard: torch.Tensor
     param: nn.Parameter
     shape: tuple[int, ...]
@@ -74,14 +84,14 @@ class Live:
 
     def __init__(self) -> None:
         self.handles: weakref.WeakValueDictionary[int, ParamHandle] = weakref.WeakValueDictionary()
-        self.states: weakref.WeakSet[ZeroState] = weakref.WeakSet()
+        self.states: weakref.WeakSet[Model] = weakref.WeakSet()
         # ds_ids are process-wide: every rank registers the same parameters in the same order.
         self.ds_ids = itertools.count()
         # zrs.compile calls, which name their store meetings: every rank counts alike.
         self.compile_calls = itertools.count()
         self.optimizer_hooks: list[object] = []
 
-    def add(self, state: ZeroState) -> None:
+    def add(self, state: Model) -> None:
         self.states.add(state)
         if not self.optimizer_hooks:
             # Before any torch.optim step free the kept copies (a step is where shards change,
@@ -92,17 +102,12 @@ class Live:
                 register_optimizer_step_post_hook(self._after_optimizer_step),
             ]
 
-    def models(self) -> list[ZeroState]:
+    def models(self) -> list[Model]:
         return list(self.states)
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
-        from zrs.runtime.gather import drop_kept  # gather builds on this module
-
         for state in self.models():
-            if state.step.kept:
-                drop_kept(state)
-            if state.fetcher is not None:
-                state.fetcher.reset()  # a gathered copy would be stale
+            state.before_optimizer_step()
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
         ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -115,7 +120,7 @@ LIVE = Live()
 
 
 def add_handle(
-    state: ZeroState, shard: torch.Tensor, param: nn.Parameter, slot: int, name: str
+    state: Model, shard: torch.Tensor, param: nn.Parameter, slot: int, name: str
 ) -> ParamHandle:
     info = state.registry.info(slot)
     local = param.to_local() if isinstance(param, DTensor) else param

@@ -5,10 +5,10 @@ The schemas live in `zrs.runtime.ops` (`COPY_SCHEMAS`). This module gives every 
 
 - a torch implementation (plain tensor ops), registered on CompositeExplicitAutograd, so it serves
   CPU tensors, and CUDA tensors whenever the CUDA kernels are not loaded;
-- the CUDA kernels in `zrs/cuda/zrs_kernels.cu`, which register themselves on the ops' CUDA dispatch
-  key when the extension loads. It is built with `torch.utils.cpp_extension` (JIT, cached in the
-  torch extensions directory) the first time a CUDA tensor reaches one of the ops, or ahead of time
-  with `python -m zrs.runtime.kernels --build`.
+- the CUDA kernels in `cuda/zrs_kernels.cu` (the wheel ships them as `zrs/cuda/zrs_kernels.cu`),
+  which register themselves on the ops' CUDA dispatch key when the extension loads. It is built
+  with `torch.utils.cpp_extension` (JIT, cached in the torch extensions directory) the first time a
+  CUDA tensor reaches one of the ops, or ahead of time with `python -m zrs.runtime.kernels --build`.
 
 If the build fails (no nvcc, no ninja, no CUDA), the torch implementation stays in charge and one
 warning says why. `ZRS_NO_CUDA_KERNELS=1` skips the kernels without a warning. CPU tensors never
@@ -48,14 +48,15 @@ class KernelBuildWarning(UserWarning):
 
 def source_dir() -> Path:
     """The folder that holds `zrs_kernels.cu`: `$ZRS_CUDA_SRC` if set, else the package's own
-    `cuda/` (the wheel ships it)."""
+    `cuda/`. An installed wheel has the file there; in a source checkout it is a symbolic link to
+    the top-level `cuda/zrs_kernels.cu`, whose folder this returns."""
     override = os.environ.get(_SRC_ENV)
     folder = Path(override) if override else Path(__file__).resolve().parents[1] / "cuda"
     if not (folder / SOURCE).is_file():
         raise FileNotFoundError(
             f"{SOURCE} not found in {folder}" + (f" (${_SRC_ENV})" if override else "")
         )
-    return folder
+    return (folder / SOURCE).resolve().parent
 
 
 CUDA_FLAGS = ("-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo")

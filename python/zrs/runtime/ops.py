@@ -280,7 +280,7 @@ for _name in SIDE_EFFECT_OPS:
 
 # --- copy ops: internal ops of the runtime's copy-in, copy-out and gradient pack ------------------
 # Kernels: torch ops on CompositeExplicitAutograd (CPU, and the CUDA fallback) and the CUDA kernels
-# of zrs/cuda/zrs_kernels.cu on the CUDA key once built; both live in `zrs.runtime.kernels`.
+# of cuda/zrs_kernels.cu on the CUDA key once built; both live in `zrs.runtime.kernels`.
 
 from zrs.runtime import kernels as _kernels  # noqa: E402
 

@@ -1,10 +1,10 @@
-"""Runtime state behind the zrs ops: one model's `ZeroState` and one step's `StepState`.
+"""Runtime state behind the zrs ops: one model's `ZeroState`.
 
 The Rust registry (`zrs._core.Registry`) decides *whether* a collective is needed and when a buffer
 may be freed; this module owns the tensors and talks to torch.distributed. Every op in
 `zrs.runtime.ops` resolves its `ds_id` through `LIVE` (`runtime/handles.py`). Everything one step
-holds between the ops lives in the model's `StepState` (`ZeroState.step`), which a step that stops
-part-way is reset as a unit from.
+holds between the ops lives in the model's `StepState` (`ZeroState.step`, `runtime/step.py`), which
+a step that stops part-way is reset as a unit from.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import logging
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -28,11 +28,7 @@ from zrs.runtime import streams
 from zrs.runtime.exchange import Peers, all_gather_ints
 from zrs.runtime.grad_store import GradStore
 from zrs.runtime.handles import LIVE, ParamHandle
-
-if TYPE_CHECKING:  # the step's contents are defined by the modules that fill them
-    from zrs.runtime.fetch import Fetcher
-    from zrs.runtime.gather import Flat, InFlight
-    from zrs.runtime.grads import Bucket, Reduce
+from zrs.runtime.step import StepState
 
 _log = logging.getLogger("zrs")
 
@@ -40,31 +36,15 @@ _log = logging.getLogger("zrs")
 STEP_COUNTERS = ("forward calls", "finished backwards", "optimizer steps", "training", "grad")
 
 
-@dataclass(eq=False)
-class StepState:
-    """What a step of one compiled model holds between the zrs ops: the gathered buffers, the
-    collectives in flight, the copies a forward kept for its backward, the gradient buckets. A
-    step that stops part-way (an exception in its forward or backward) leaves some of it behind;
-    `ZeroState.recover` waits for what is in flight and replaces the whole object."""
+class EagerPath(Protocol):
+    """What the model's state needs of its eager path (`zrs.runtime.fetch.Fetcher`, which builds
+    on this module): whether it holds anything, and dropping what it holds."""
 
-    buffers: dict[int, torch.Tensor] = field(default_factory=dict)  # ds_id -> gathered, padded
-    shaped: dict[int, torch.Tensor] = field(default_factory=dict)  # ds_id -> its shaped view
-    in_flight: dict[int, InFlight] = field(default_factory=dict)  # ds_id -> its collective
-    prefetched: set[int] = field(default_factory=set)  # gathered by a prefetch, not yet claimed
-    flat_of: dict[int, Flat] = field(default_factory=dict)  # ds_id -> its fused group's buffer
-    # ds_id -> the shard's version counter when a forward kept the gathered copy (keep.py)
-    kept: dict[int, int] = field(default_factory=dict)
-    bucket: Bucket | None = None  # the gradient bucket being filled
-    reducing: list[Reduce] = field(default_factory=list)  # issued reduce-scatters, oldest first
-    # The autograd graph task whose final callback finishes the gradients (-1: none queued). A
-    # task id, not a flag: a backward that raised never runs its callback.
-    finish_task: int = -1
-    graph: int = -1  # the graph whose op ran last (for error messages)
+    def busy(self) -> bool: ...
 
-    def busy(self) -> bool:
-        """True if it holds more than kept copies: only a step that stopped part-way does."""
-        held = len(self.buffers) > len(self.kept)
-        return held or bool(self.in_flight or self.prefetched or self.bucket or self.reducing)
+    def reset(self) -> None: ...
+
+    def forget(self) -> None: ...
 
 
 @dataclass(eq=False)
@@ -133,7 +113,7 @@ class ZeroState:
     step: StepState = field(default_factory=StepState)
     # The eager path (`runtime/fetch.py`): the leaves that module code reads outside compiled
     # graphs and the coordinator that decides their gathers. Set by zrs.shard / zrs.compile.
-    fetcher: Fetcher | None = None
+    fetcher: EagerPath | None = None
     # Reduced gradients kept at fixed addresses for a captured optimizer step (zrs.GraphedStep
     # sets it; None: each backward reduces into fresh tensors).
     grad_store: GradStore | None = None
@@ -280,6 +260,14 @@ class ZeroState:
         )
         self.broken = message
         raise ZrsError(message)
+
+    def before_optimizer_step(self) -> None:
+        """A torch.optim step is about to change the shards (`LIVE`'s hook): free the copies kept
+        for a backward and the eager path's gathered leaves, which would be stale."""
+        if self.step.kept:
+            self.step.drop_kept()
+        if self.fetcher is not None:
+            self.fetcher.reset()
 
     def abandon_step(self, exc: BaseException) -> None:
         """The model's forward raised on this rank: wait for and drop what the step holds, and

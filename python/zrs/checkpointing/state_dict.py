@@ -83,10 +83,13 @@ def _take_local_rows(
             state_dict[key] = _local_rows(h, value)
 
 
-def install_hooks(module: nn.Module) -> None:
-    """Give a module with sharded parameters the two state-dict hooks above."""
-    module._register_state_dict_hook(_mark_saved)
-    module._register_load_state_dict_pre_hook(_take_local_rows, with_module=True)
+def install_hooks(model: nn.Module) -> None:
+    """Give each module of a sharded model that has sharded parameters the two state-dict hooks
+    above."""
+    for module in model.modules():
+        if getattr(module, "_zrs_params", None):
+            module._register_state_dict_hook(_mark_saved)
+            module._register_load_state_dict_pre_hook(_take_local_rows, with_module=True)
 
 
 def full_state_dict(

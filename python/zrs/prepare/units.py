@@ -1,7 +1,7 @@
 """The eager path's fetch units and their module hooks.
 
 A *unit* is a module whose forward fetches parameters: each layer of a stack (a repeated block,
-`shard.repeated_blocks`) with every parameter inside it, and each other module with parameters of
+`sharding.repeated_blocks`) with every parameter inside it, and each other module with parameters of
 its own. The root is always unit 0. Hooks on a unit tell the coordinator (zrs-core, executed by
 `runtime/fetch.py`) that its forward starts and ends, and register a hook on its outputs that
 tells it when its backward starts (and for a unit with frozen parameters one on its inputs that
@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from zrs.prepare.sharding import repeated_blocks
 from zrs.runtime.fetch import Fetcher, Unit
 from zrs.runtime.handles import ParamHandle, handle
 from zrs.runtime.state import ZeroState
-from zrs.sharding import repeated_blocks
 
 ROOT = 0
 
@@ -65,9 +65,11 @@ def _ancestors(model: nn.Module, name: str) -> list[nn.Module]:
     return found
 
 
-def install(model: nn.Module, state: ZeroState, layered: bool, limits: dict[str, Any]) -> None:
+def install_units(
+    model: nn.Module, state: ZeroState, layered: bool, limits: dict[str, Any]
+) -> None:
     """Give `state` its eager path and hook its units (all but the root, which the model's
-    forward wrapper drives: `wrap.py`)."""
+    forward drives: `forward.py`)."""
     units = find_units(model, layered)
     fetcher = Fetcher(state, [u for _, u in units], **limits)
     state.fetcher = fetcher

@@ -1,4 +1,5 @@
-"""The dtype decisions of `zrs.compile`: which dtypes it accepts, shards in and reduces in.
+"""The options of `zrs.compile` and `zrs.shard`: their checks, and the dtype decisions (which
+dtypes they accept, shard in and reduce in).
 
 By default shards are fp32 master weights, whatever the parameters' float dtype, except for a
 float64 model, which keeps float64 throughout (shards, gathers and, unless told otherwise, the
@@ -8,6 +9,9 @@ trained wholly in bf16, as FSDP2 trains a model cast to bf16 before `fully_shard
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -16,6 +20,62 @@ from zrs._core import ZrsError
 # The dtypes that the gathers, the gradient packing (CUDA kernels included) and the collectives
 # handle: runtime.ops._SCALAR_TYPES and the DtypeCodes of zrs/cuda/zrs_kernels.cu.
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The dtypes of one model: gathered parameters' (None: the shards'), the shards' and the
+    gradient reduce's."""
+
+    param: torch.dtype | None
+    master: torch.dtype
+    reduce: torch.dtype
+
+
+def check_common(
+    model: nn.Module,
+    timeout: float | None,
+    param: torch.dtype | None,
+    reduce: torch.dtype | None,
+    master: torch.dtype | None,
+) -> Precision:
+    """Check the options `zrs.compile` and `zrs.shard` share (`timeout` and the param_dtype,
+    reduce_dtype and master_dtype options), and decide the model's dtypes."""
+    if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
+        raise ZrsError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
+    check_dtype("param_dtype", param)
+    check_dtype("reduce_dtype", reduce)
+    check_dtype("master_dtype", master)
+    check_param_dtypes(model, master)
+    shards = master_dtype(model, master)
+    return Precision(param, shards, default_reduce_dtype(shards, reduce))
+
+
+def check_choice(name: str, value: str, choices: Iterable[str]) -> None:
+    """Raise unless `value` (the `name` option) is one of `choices`."""
+    if value not in choices:
+        raise ZrsError(f"unknown {name} {value!r}: choose one of {', '.join(choices)}")
+
+
+def check_memory_budget(memory_budget: object) -> None:
+    """Raise unless `memory_budget` is a positive number of bytes or None."""
+    if memory_budget is not None and (
+        isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget <= 0
+    ):
+        raise ZrsError(
+            f"memory_budget must be a positive number of bytes or None, not {memory_budget!r}"
+        )
+
+
+def check_limits(limits: dict[str, object]) -> None:
+    """Raise unless each of `zrs.shard`'s `limits` is a number of elements or None."""
+    for name, value in limits.items():
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 0
+        ):
+            raise ZrsError(
+                f"{name} must be a number of elements (an int >= 0) or None, not {value!r}"
+            )
 
 
 def check_dtype(name: str, value: object) -> None:

@@ -24,9 +24,9 @@ from torch.distributed.tensor._ops.utils import register_op_strategy
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from zrs._core import ZrsError
-from zrs.replay import MAX_RECAPTURES, Hyperparameters, _local, replay_with_hooks
 from zrs.runtime.grad_store import GradStore
 from zrs.runtime.handles import LIVE
+from zrs.step.replay import MAX_RECAPTURES, Hyperparameters, _local, replay_with_hooks
 
 _log = logging.getLogger("zrs")
 

@@ -25,11 +25,11 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zrs._core import ZrsError
-from zrs.replay import MAX_RECAPTURES, Hyperparameters, _local, replay_with_hooks
-from zrs.replay_watch import ReplayWatch, close_before_destroy, nccl_backends
 from zrs.runtime.grad_store import GradStore
 from zrs.runtime.handles import LIVE
 from zrs.runtime.state import ZeroState
+from zrs.step.replay import MAX_RECAPTURES, Hyperparameters, _local, replay_with_hooks
+from zrs.step.replay_watch import ReplayWatch, close_before_destroy, nccl_backends
 
 _log = logging.getLogger("zrs")
 

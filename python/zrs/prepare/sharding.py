@@ -1,6 +1,6 @@
 """Cut every parameter of a model into world-size shards and make module code gather at use.
 
-Each parameter becomes a DTensor in the master dtype (fp32 by default: zrs.options) sharded by
+Each parameter becomes a DTensor in the master dtype (fp32 by default: `options.py`) sharded by
 rows (`Shard(0)` over its full shape, FSDP2's convention), stored as the real `nn.Parameter` under
 the same name: optimizers, `state_dict()`, torch.distributed.checkpoint, `clip_grad_norm_` and
 GradScaler see what they see under FSDP2. Its local tensor is a view of this rank's flat, padded
@@ -27,9 +27,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from zrs import state_dict
 from zrs._core import ZrsError
-from zrs.runtime import grads, handles
+from zrs.runtime import grads, handles, kernels
 from zrs.runtime.handles import UNRESOLVED, ParamHandle
 from zrs.runtime.state import ZeroState
 
@@ -141,26 +140,6 @@ def repeated_blocks(model: nn.Module) -> set[int]:
     return blocks
 
 
-def check_devices(model: nn.Module) -> torch.device | None:
-    """The one device every parameter lives on, None if all are on meta; raises otherwise."""
-    params = list(model.parameters())
-    if not params:
-        raise ZrsError(
-            f"{type(model).__name__} has no parameters: there is nothing for zrs to shard; "
-            "pass the model that owns the parameters to zrs.compile"
-        )
-    if any(getattr(m, "_zrs_params", None) for m in model.modules()):
-        raise ZrsError("this model is already sharded by zrs.compile; compile it only once")
-    devices = {p.device for p in params if p.device.type != "meta"}
-    if len(devices) > 1:
-        names = ", ".join(sorted(str(d) for d in devices))
-        raise ZrsError(
-            f"parameters are on mixed devices ({names}); zrs shards a model that lives on one "
-            "device: move it first with model.to(device), or build it on the meta device"
-        )
-    return next(iter(devices)) if devices else None
-
-
 def _materialize(module: nn.Module, device: torch.device, init_fn: InitFn | None) -> None:
     """Give one module's meta tensors real storage and initialise them (this module only).
 
@@ -235,6 +214,17 @@ def _shard_one(state: ZeroState, param: nn.Parameter, name: str) -> ParamHandle:
     return h
 
 
+def shard_parameters(
+    model: nn.Module, state: ZeroState, init_fn: InitFn | None, regions: bool
+) -> None:
+    """Shard every parameter of `model` into `state` (`shard_model`); the model keeps its state."""
+    if state.device.type == "cuda":
+        kernels.build_in_background()  # nvcc runs while the model is sharded (and compiled)
+    shard_model(model, state, init_fn, regions)
+    model._zrs_state = state
+    state.module = weakref.ref(model)
+
+
 def shard_model(
     model: nn.Module, state: ZeroState, init_fn: InitFn | None = None, regions: bool = True
 ) -> None:
@@ -271,7 +261,6 @@ def shard_model(
         if specs:
             module._zrs_params = specs
             module._zrs_shards = shards
-            state_dict.install_hooks(module)
         if specs or id(module) in blocks:
             _install_properties(
                 module, module.__class__, frozenset(specs), id(module) in blocks, classes

@@ -1,0 +1,150 @@
+"""Where a model will run and how its ranks talk, before it is sharded: the process group and
+the device, the call's number, the communicators and the store meeting (`Links`), the agreement
+on the model and its options across the ranks, and the model's `ZeroState` made from them."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zrs._core import Registry, ZrsError
+from zrs.prepare.options import Precision
+from zrs.runtime.collectives import new_group_like
+from zrs.runtime.exchange import Peers, group_timeout
+from zrs.runtime.handles import LIVE
+from zrs.runtime.state import ZeroState
+
+
+def resolve_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    if process_group is not None:
+        return process_group
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise ZrsError(
+            f"zrs.compile (or zrs.shard) was called before torch.distributed.init_process_group, but "
+            f"WORLD_SIZE={world}: call dist.init_process_group('nccl' on GPUs, 'gloo' on CPU) "
+            "first, or pass process_group="
+        )
+    return None  # one process, no torch.distributed: collectives are local copies
+
+
+def world_size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def agree_and_connect(
+    model: nn.Module, group: dist.ProcessGroup | None, api: str, settings: dict[str, Any]
+) -> Links:
+    """Find the model's device, number this call (every rank counts alike), agree on the model
+    and `settings` across the ranks, and make the communicators."""
+    device = resolve_device(model, group)
+    links = Links(group, device, settings["timeout"], next(LIVE.compile_calls))
+    if links.peers is not None:  # before any collective: a mismatch there hangs or aborts
+        links.peers.agree(f"{api} call {links.entry}", describe(model, settings))
+        links.connect(settings.get("separate_reduce_communicator", True))
+    return links
+
+
+def make_state(links: Links, precision: Precision, **state_options: Any) -> ZeroState:
+    """The model's state: its communicators, dtypes and planner options, and an empty registry."""
+    group = links.group
+    world = world_size(group)
+    return ZeroState(
+        group=group,
+        world_size=world,
+        rank=dist.get_rank(group) if group is not None else 0,
+        device=links.device,
+        param_dtype=precision.param,
+        master_dtype=precision.master,
+        reduce_dtype=precision.reduce,
+        registry=Registry(world),
+        timeout=links.timeout,
+        gather_group=links.gather_group,
+        reduce_group=links.reduce_group,
+        control_group=links.control_group,
+        peers=links.peers,
+        **state_options,
+    )
+
+
+def check_devices(model: nn.Module) -> torch.device | None:
+    """The one device every parameter lives on, None if all are on meta; raises otherwise."""
+    params = list(model.parameters())
+    if not params:
+        raise ZrsError(
+            f"{type(model).__name__} has no parameters: there is nothing for zrs to shard; "
+            "pass the model that owns the parameters to zrs.compile"
+        )
+    if any(getattr(m, "_zrs_params", None) for m in model.modules()):
+        raise ZrsError("this model is already sharded by zrs.compile; compile it only once")
+    devices = {p.device for p in params if p.device.type != "meta"}
+    if len(devices) > 1:
+        names = ", ".join(sorted(str(d) for d in devices))
+        raise ZrsError(
+            f"parameters are on mixed devices ({names}); zrs shards a model that lives on one "
+            "device: move it first with model.to(device), or build it on the meta device"
+        )
+    return next(iter(devices)) if devices else None
+
+
+def resolve_device(model: nn.Module, group: dist.ProcessGroup | None) -> torch.device:
+    device = check_devices(model)
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())  # NCCL needs this rank's GPU
+    return device if device is not None else torch.device("cpu")
+
+
+class Links:
+    """The group, device and number of one zrs.compile (or zrs.shard) call, and its communicators
+    and store meeting, all with one timeout: `timeout` seconds, else the process group's own."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        timeout: float | None,
+        entry: int,
+    ):
+        self.group = group
+        self.device = device
+        self.entry = entry
+        self.gather_group = self.reduce_group = group
+        self.control_group: dist.ProcessGroup | None = None
+        self.peers: Peers | None = None
+        if group is None:
+            self.timeout = datetime.timedelta(minutes=30)
+            return
+        own = group_timeout(group)
+        self.timeout = datetime.timedelta(seconds=timeout) if timeout is not None else own
+        if dist.get_world_size(group) > 1:
+            self.peers = Peers(group, f"{group.group_name}/{entry}", self.timeout)
+
+    def connect(self, separate_reduce_communicator: bool) -> None:
+        """Make the communicators: the all-gathers' (the group itself when its timeout is the
+        one asked for), the reduce-scatters' (`separate_reduce_communicator`) and a gloo group
+        for the host-side exchanges."""
+        group = self.gather_group
+        assert group is not None
+        if group_timeout(group) != self.timeout:
+            self.gather_group = new_group_like(group, self.timeout)
+        self.reduce_group = self.gather_group
+        if separate_reduce_communicator:
+            self.reduce_group = new_group_like(group, self.timeout)
+        self.control_group = new_group_like(group, self.timeout, backend="gloo")
+
+
+def describe(model: nn.Module, settings: dict[str, Any]) -> list[str]:
+    """What every rank must agree on before sharding: each parameter (name, shape, dtype,
+    requires_grad, whether on meta) and the options."""
+    lines = [f"{k}={v}" for k, v in settings.items()]
+    for name, p in model.named_parameters():
+        where = "meta" if p.is_meta else "real"
+        lines.append(f"{name} {list(p.shape)} {p.dtype} grad={p.requires_grad} {where}")
+    return lines

@@ -32,12 +32,10 @@ step.py's fsdp2_eager). On the GPU machine:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import statistics
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,7 +50,7 @@ import step
 import zrs  # zrs.checkpoint: zrs/checkpointing/checkpoint.py, imported at first use
 from harness.data import Data
 from harness.device import max_memory, sync
-from harness.run import cleanup, emit, environment, init_group, standalone_env
+from harness.run import emit, guarded, standalone_env
 from harness.table import fmt, read_records
 from systems.common import ALL_PRESETS, Ctx, make_spec
 from systems.fsdp2 import build_fsdp2
@@ -190,20 +188,8 @@ def measure(system: str, ctx: Ctx) -> dict:
 
 def run_one(system: str, ctx: Ctx) -> dict:
     """One system in its own process group; its record, or an error record."""
-    try:
-        init_group(ctx)
-        record = measure(system, ctx)
-    except Exception as e:  # report, and go on with the next system
-        traceback.print_exc()
-        record = {"system": system, "preset": ctx.args.preset, "world": ctx.world,
-                  "rank": ctx.rank, "error": f"{type(e).__name__}: {e}"[:2000]}  # fmt: skip
-    finally:
-        cleanup(ctx.device)
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-    record.update(environment(ctx))
-    return record
+    base = {"system": system, "preset": ctx.args.preset, "world": ctx.world}
+    return guarded(ctx, base, lambda: measure(system, ctx))
 
 
 def table(records: list[dict]) -> str:

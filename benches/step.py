@@ -76,6 +76,8 @@ Metrics (times are the maximum over ranks, step by step):
                               build (the library's import included); warmup_total_s to the end of
                               all warm-up steps; compile_phases_s: torch's own compile timers
                               (dynamo_timed, summed over graphs) that took at least 0.5 s
+  gc                          --gc: "freeze" (the collector ran once after the warm-up and froze
+                              what was alive) or "auto"
 """
 
 from __future__ import annotations
@@ -235,6 +237,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="DIR",
         help="(CUDA) after the timed steps, record the allocator's history for one more step: a "
         "snapshot per rank in DIR and what is live at the peak in the record (memory_peak.py)",
+    )
+    p.add_argument(
+        "--gc",
+        choices=["freeze", "auto"],
+        default="freeze",
+        help="Python's garbage collector in the timed steps, every system alike: 'freeze' "
+        "(default) collects once after the warm-up and freezes what is alive (the compiled "
+        "code), as README's training loop does; 'auto' leaves it as is, when a full collection "
+        "scans every object a compile left (0.3-1.3 s each, GPT-2 XL)",
     )
     p.add_argument("--pg-timeout", type=float, default=1800, help="process-group timeout, seconds")
     p.add_argument("--command", help=argparse.SUPPRESS)  # the launching command, for the record

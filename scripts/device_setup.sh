@@ -12,6 +12,13 @@ cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 
+# The device's Python sets PYTHONDONTWRITEBYTECODE=1 and ships torch without bytecode, so every
+# process compiled each module it imported from source: about 10 s of a warm 1b first step at
+# two ranks (18.9 s against 8.1 s with the bytecode cached; session 27, BENCHMARKS.md). A normal
+# install has the bytecode: keep it under /tmp, compiled once per machine.
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/zrs_pycache}
+
 shopt -s nullglob
 zrs_wheels=(.whl/zrs-*.whl)
 if [ ${#zrs_wheels[@]} -eq 0 ]; then
@@ -28,6 +35,20 @@ python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /
   "$wheel" ${others[@]+"${others[@]}"}
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 
+# A wheel carried again may keep a file's size and (zip) time with new contents: its bytecode,
+# and that of anything else installed under /tmp, is never reused from an earlier call.
+rm -rf "$PYTHONPYCACHEPREFIX/tmp"
+if [ ! -e "$PYTHONPYCACHEPREFIX/.complete" ]; then
+  purelib=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  t0=$(date +%s)
+  for d in torch sympy triton transformers numpy networkx jinja2; do
+    if [ -d "$purelib/$d" ]; then
+      timeout 300 python3 -m compileall -q -j 0 "$purelib/$d" >/dev/null 2>&1 || true
+    fi
+  done
+  mkdir -p "$PYTHONPYCACHEPREFIX" && touch "$PYTHONPYCACHEPREFIX/.complete"
+  echo "device_setup: bytecode compiled into $PYTHONPYCACHEPREFIX in $(($(date +%s) - t0)) s"
+fi
 echo "device_setup: $(basename "$wheel"); $(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs)"
 # (-W: runpy notes that the package already imported zrs.runtime.kernels; harmless here)
 # ZRS_SKIP_PREBUILD=1 skips the kernel build (runs that do not use the kernels, short budgets).

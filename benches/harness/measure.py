@@ -4,6 +4,7 @@ make its record (the metrics of benches/step.py's docstring), with the optional 
 from __future__ import annotations
 
 import cProfile
+import gc
 import statistics
 import time
 
@@ -56,6 +57,9 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
     sync(device)
     warmup_total_s = time.perf_counter() - t0
     peak_all = max_memory(device)
+    if args.gc == "freeze":
+        gc.collect()
+        gc.freeze()  # undone by cleanup (harness/run.py): the next system starts unfrozen
     if distributed:
         dist.barrier()
     if device.type == "cuda":
@@ -135,6 +139,7 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
         ),
         "reduce_dtype": built.reduce_dtype,
         "cudnn_sdpa": not args.no_cudnn_sdpa,
+        "gc": args.gc,
     }
     if spec.hf_model is not None:
         import transformers

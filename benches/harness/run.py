@@ -15,6 +15,7 @@ import shlex
 import socket
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -77,11 +78,31 @@ def init_group(ctx: Ctx) -> None:
 
 
 def cleanup(device: torch.device) -> None:
+    gc.unfreeze()  # measure's --gc freeze: what the system left becomes collectable again
     gc.collect()
     torch._dynamo.reset()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+
+
+def guarded(ctx: Ctx, base: dict, body: Callable[[], dict], distributed: bool = True) -> dict:
+    """`body()`'s record, run in its own process-group lifetime (none when not `distributed`), or
+    an error record on `base`; either way with the environment's fields."""
+    try:
+        if distributed:
+            init_group(ctx)
+        record = body()
+    except Exception as e:  # report, and go on with the next system
+        traceback.print_exc()
+        record = {**base, "rank": ctx.rank, "error": f"{type(e).__name__}: {e}"[:2000]}
+    finally:
+        cleanup(ctx.device)
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+    record.update(environment(ctx))
+    return record
 
 
 def run_one(system: str, ctx: Ctx) -> dict | None:
@@ -93,27 +114,14 @@ def run_one(system: str, ctx: Ctx) -> dict | None:
     base = {"system": system, "preset": ctx.args.preset, "tag": ctx.args.tag}
     if ctx.args.varlen:
         base["varlen"] = True
-    try:
+    base["world"] = 1 if single else ctx.world
+
+    def body() -> dict:
         if system in deepspeed_systems.DEEPSPEED_SYSTEMS:
             deepspeed_systems.claim(system)
-        if distributed:
-            init_group(ctx)
-        record = measure(system, ctx, distributed)
-    except Exception as e:  # report, and go on with the next system
-        traceback.print_exc()
-        record = {
-            **base,
-            "world": 1 if single else ctx.world,
-            "rank": ctx.rank,
-            "error": f"{type(e).__name__}: {e}"[:2000],
-        }
-    finally:
-        cleanup(ctx.device)
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-    record.update(environment(ctx))
-    return record
+        return measure(system, ctx, distributed)
+
+    return guarded(ctx, base, body, distributed)
 
 
 _STANDALONE: list[bool] = []  # [True] when run without torchrun

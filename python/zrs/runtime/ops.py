@@ -19,7 +19,7 @@ from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_c
 from torch.fx.node import has_side_effect
 
 from zrs._core import ZrsError
-from zrs.runtime import collectives, gather, grads, handles
+from zrs.runtime import collectives, gather, grads, handles, kernels
 
 LIB = torch.library.Library("zrs", "DEF")  # schemas as strings: they need alias annotations
 
@@ -282,8 +282,6 @@ for _name in SIDE_EFFECT_OPS:
 # Kernels: torch ops on CompositeExplicitAutograd (CPU, and the CUDA fallback) and the CUDA kernels
 # of cuda/zrs_kernels.cu on the CUDA key once built; both live in `zrs.runtime.kernels`.
 
-from zrs.runtime import kernels as _kernels  # noqa: E402
-
 COPY_SCHEMAS = {
     # cast each shard to out.dtype and write them back to back into the flat `out`
     "pack_cast": "pack_cast(Tensor[] shards, Tensor(a!) out) -> ()",
@@ -301,4 +299,4 @@ COPY_SCHEMAS = {
 }
 for _schema in COPY_SCHEMAS.values():
     LIB.define(_schema)
-_kernels.register(LIB, outside_dynamo)
+kernels.register(LIB, outside_dynamo)

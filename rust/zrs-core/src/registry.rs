@@ -43,7 +43,7 @@ pub struct ParamInfo {
     pub slot: Slot,
     pub shape: Vec<usize>,
     pub numel: usize,
-    /// Rows (of dim 0) each rank holds: ceil(shape[0] / world), the chunks of `torch.chunk`
+    /// Rows (of dim 0) each rank holds: `ceil(shape[0] / world)`, the chunks of `torch.chunk`
     /// and of a DTensor's `Shard(0)`. A 0-d parameter counts as one row.
     pub shard_rows: usize,
     /// `shard_rows` rows of every rank together, so every rank holds an equal (padded) shard;

@@ -78,6 +78,9 @@ Metrics (times are the maximum over ranks, step by step):
                               (dynamo_timed, summed over graphs) that took at least 0.5 s
   gc                          --gc: "freeze" (the collector ran once after the warm-up and froze
                               what was alive) or "auto"
+  zrs_kernels                 (zrs systems on CUDA) the copy kernels' status when the timed steps
+                              began, after waiting for their background build: "loaded", or
+                              "failed"/"disabled" (the torch ops ran)
 """
 
 from __future__ import annotations

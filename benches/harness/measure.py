@@ -57,6 +57,9 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
     sync(device)
     warmup_total_s = time.perf_counter() - t0
     peak_all = max_memory(device)
+    kernels = None
+    if device.type == "cuda" and system in zrs_systems.BUILDERS:
+        kernels = zrs_systems.settle()
     if args.gc == "freeze":
         gc.collect()
         gc.freeze()  # undone by cleanup (harness/run.py): the next system starts unfrozen
@@ -141,6 +144,8 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
         "cudnn_sdpa": not args.no_cudnn_sdpa,
         "gc": args.gc,
     }
+    if kernels is not None:
+        record["zrs_kernels"] = kernels
     if spec.hf_model is not None:
         import transformers
 

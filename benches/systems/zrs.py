@@ -53,6 +53,19 @@ def build_zrs(ctx: Ctx, compiled: bool, graphed: bool = False, captured: bool = 
     )
 
 
+def settle() -> str:
+    """Wait for the CUDA copy kernels' background build; their status for the record. Until the
+    build is done the torch ops serve, and zrs.shard has no compile for nvcc's ~25 s to hide
+    behind: a short run from a cold extension cache would time the torch ops."""
+    from zrs.runtime import kernels
+
+    builder = kernels.LOADER.builder
+    if builder is not None:
+        builder.join()
+    kernels.load()
+    return kernels.status()[0]
+
+
 BUILDERS: dict[str, Callable[[Ctx], Built]] = {
     "zrs": lambda ctx: build_zrs(ctx, compiled=True),
     "zrs_graphed": lambda ctx: build_zrs(ctx, compiled=True, graphed=True),

@@ -17,7 +17,7 @@ export PYTHONUNBUFFERED=1
 # two ranks (18.9 s against 8.1 s with the bytecode cached; session 27, BENCHMARKS.md). A normal
 # install has the bytecode: keep it under /tmp, compiled once per machine.
 unset PYTHONDONTWRITEBYTECODE
-export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/zrs_pycache}
+export PYTHONPYCACHEPREFIX=/tmp/zrs_pycache
 
 shopt -s nullglob
 zrs_wheels=(.whl/zrs-*.whl)

@@ -13,8 +13,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1
 
 # The device's Python sets PYTHONDONTWRITEBYTECODE=1 and ships torch without bytecode, so every
-# process compiled each module it imported from source: about 10 s of a warm 1b first step at
-# two ranks (18.9 s against 8.1 s with the bytecode cached; session 27, BENCHMARKS.md). A normal
+# process compiled each module it imported from source: 4.5-10.8 s of a warm 1b first step at
+# two ranks (12.6 and 18.9 s against 8.1 s with the bytecode cached; session 27). A normal
 # install has the bytecode: keep it under /tmp, compiled once per machine.
 unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX=/tmp/zrs_pycache

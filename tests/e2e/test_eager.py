@@ -14,6 +14,7 @@ from torch import nn
 
 import zrs
 from zoo import LR, MOMENTUM, spec_of
+from zrs.runtime import grads
 
 
 class Reorderable(nn.Module):
@@ -122,6 +123,23 @@ def test_the_second_step_prefetches_by_the_trace(monkeypatch):
     # the trace at the root's position) is gathered on the spot.
     assert issued == ["layers.0.weight"], decisions
     assert prefetched == {n for n, _ in model.named_parameters()}, decisions
+
+
+def test_gradients_are_packed_a_unit_at_a_time(monkeypatch):
+    """The gradients autograd finishes wait for their unit's backward to end (or their bucket to
+    fill) and are packed together: fewer pack kernels than parameters, the same weights."""
+    plain, model, (opt_p, opt_m) = _pair()
+    packed: list[int] = []
+    reduce = grads.reduce_grads
+    monkeypatch.setattr(grads, "reduce_grads", lambda *a: (packed.append(len(a[2])), reduce(*a))[1])
+    x = torch.randn(4, 6)
+    for swap in (False, False, True):
+        packed.clear()
+        _step(plain, opt_p, x, swap)
+        _step(model, opt_m, x, swap)
+        n_params = len(list(model.parameters()))
+        assert sum(packed) == n_params and len(packed) < n_params, packed
+    _assert_same(plain, model)
 
 
 def test_activation_checkpointing_and_accumulation_match_the_plain_model():

@@ -89,6 +89,11 @@ class Fetcher:
                     lambda _, slot=h.slot: _alive(me).grad_ready(slot)
                 )
         self.ready = bytearray(len(hs))  # 1: gathered and waited for
+        # Gradients autograd finished, not yet packed: packed together when a unit's backward
+        # starts, their bucket fills or the backward ends, one kernel for many (the bucket's
+        # reduce-scatter waits for it to fill anyway).
+        self.pending: list[tuple[torch.Tensor, int, int]] = []  # (grad, ds_id, bucket numel)
+        self.pending_numel = 0
         self.flights: dict[int, Flight] = {}
         self.depth = 0
         self.entered: list[bool] = []  # per unit hook running: whether it entered the coordinator
@@ -155,8 +160,21 @@ class Fetcher:
         release, bucket_numel = self.coordinator.grad_ready(slot)
         self._queue_end_of_backward()
         if grad is not None:
-            grads.reduce_grads(-1, [grad], [self.handles[slot].ds_id], [bucket_numel])
+            h = self.handles[slot]
+            self.pending.append((grad, h.ds_id, bucket_numel))
+            self.pending_numel += h.shard_numel
+            if self.pending_numel >= grads.bucket_room(self.state, bucket_numel):
+                self.pack_grads()
         self._free(release)
+
+    def pack_grads(self) -> None:
+        """Pack the pending gradients into their buckets (grads.reduce_grads)."""
+        if not self.pending:
+            return
+        pending, self.pending, self.pending_numel = self.pending, [], 0
+        grads.reduce_grads(
+            -1, [g for g, _, _ in pending], [i for _, i, _ in pending], [n for _, _, n in pending]
+        )
 
     def reset(self) -> None:
         """Drop everything gathered, persistent parameters included (the shards changed, or a
@@ -177,6 +195,8 @@ class Fetcher:
         self._free(self.coordinator.reset())
 
     def _clear(self) -> None:
+        self.pending.clear()
+        self.pending_numel = 0
         self.depth = 0
         self.entered.clear()
         self.open = False
@@ -197,6 +217,7 @@ class Fetcher:
 
     def pre_backward(self, unit: int) -> None:
         self._queue_end_of_backward()
+        self.pack_grads()  # what the units before finished
         self._run(self.coordinator.pre_backward(unit))
 
     def after_backward(self, unit: int, inputs: object) -> None:
@@ -229,6 +250,9 @@ class Fetcher:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: _alive(me).end_backward())
 
     def end_backward(self) -> None:
+        # This final callback runs before grads.finish_grads' (queued at the first pack), or
+        # queues it with the first pack: autograd runs callbacks that callbacks queue.
+        self.pack_grads()
         self.backward_task = -1
         self.open = False
         released, recorded = self.coordinator.end_backward()

@@ -145,6 +145,15 @@ def reduce_grads(
         i = end
 
 
+def bucket_room(state: ZeroState, bucket_numel: int) -> int:
+    """Gradient columns (per rank) left before the bucket being filled is full; with none being
+    filled, the capacity of the one a gradient planned into `bucket_numel` would start."""
+    bucket = state.step.bucket
+    if bucket is not None:
+        return bucket.buf.size(1) - bucket.used
+    return bucket_numel or GRAD_BUCKET_NUMEL
+
+
 def _replicate_scalar(column: torch.Tensor) -> None:
     """A 0-d parameter is replicated (prepare/sharding.py): its packed gradient goes to every rank's
     block, not to rank 0's alone, so that the reduce-scatter leaves each rank the mean."""

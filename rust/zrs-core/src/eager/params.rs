@@ -148,8 +148,11 @@ impl Params {
     /// Starts gathering the parameters of the unit activations about to run, `positions` in the
     /// order they will run, one group per activation: each released parameter whose gradient is
     /// not complete, while this call's prefetch stays within `prefetch_numel` and the live numel
-    /// within `max_live_numel`. It stops at the first parameter that does not fit, so what is
-    /// prefetched is always the nearest work.
+    /// within `max_live_numel`. It stops at the first activation that does not fit whole, so what
+    /// is prefetched is always the nearest work, and a unit is gathered by one collective: the
+    /// part that fits is taken only when it is the call's first group (a unit larger than the
+    /// limits). Taking parts split every layer of a model whose largest unit (an embedding) is
+    /// not a layer into two collectives a pass.
     pub(super) fn prefetch<'a>(
         &mut self,
         cfg: &EagerConfig,
@@ -158,27 +161,38 @@ impl Params {
         let mut groups = Vec::new();
         let mut total = 0u64;
         for slots in positions {
-            let mut group = Vec::new();
+            let mut group: Vec<Slot> = Vec::new();
+            let mut wanted = 0usize;
+            let (mut numel, mut live) = (total, self.live);
             for &slot in slots {
-                if self.status[slot] != ParamStatus::Released || self.grad_done[slot] {
+                if self.status[slot] != ParamStatus::Released
+                    || self.grad_done[slot]
+                    || group.contains(&slot)
+                {
                     continue;
                 }
-                let numel = self.specs[slot].numel;
-                let fits = total.saturating_add(numel) <= cfg.prefetch_numel
-                    && self.live.saturating_add(self.live_cost(slot)) <= cfg.max_live_numel;
-                if !fits {
-                    if !group.is_empty() {
-                        groups.push(group);
-                    }
-                    return groups;
+                wanted += 1;
+                let fits = numel.saturating_add(self.specs[slot].numel) <= cfg.prefetch_numel
+                    && live.saturating_add(self.live_cost(slot)) <= cfg.max_live_numel;
+                if fits && group.len() + 1 == wanted {
+                    numel += self.specs[slot].numel;
+                    live += self.live_cost(slot);
+                    group.push(slot);
                 }
-                total += numel;
-                self.live += self.live_cost(slot);
-                self.status[slot] = ParamStatus::InFlight;
-                group.push(slot);
             }
+            let whole = group.len() == wanted;
+            if !whole && !groups.is_empty() {
+                return groups; // the rest of the unit waits for its own collective
+            }
+            for &slot in &group {
+                self.status[slot] = ParamStatus::InFlight;
+            }
+            (total, self.live) = (numel, live);
             if !group.is_empty() {
                 groups.push(group);
+            }
+            if !whole {
+                return groups;
             }
         }
         groups

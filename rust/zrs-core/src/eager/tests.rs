@@ -96,6 +96,26 @@ fn prefetches_one_unit_ahead_with_the_default_config() {
 }
 
 #[test]
+fn a_unit_is_prefetched_whole_or_not_at_all() {
+    // The embedding (unit 1, numel 12) is the largest unit, so prefetch_numel is 12: a layer of
+    // two parameters (4 + 4) fits, and the one after it only in part.
+    let params: Vec<ParamSpec> = [12, 4, 4, 4, 4, 4, 4].iter().map(|&n| spec(n)).collect();
+    let units = vec![vec![], vec![0], vec![1, 2], vec![3, 4], vec![5, 6]];
+    let numels = unit_numels(&params, &units).unwrap();
+    let cfg = EagerConfig::resolve(None, None, None, None, 100, &numels);
+    let mut c = Coordinator::new(cfg, params, units).unwrap();
+    forward(&mut c, &[1, 2, 3, 4], false);
+    let run = forward(&mut c, &[1, 2, 3, 4], false);
+    let groups: Vec<&[Slot]> = run
+        .iter()
+        .flat_map(|(f, _)| &f.prefetch)
+        .map(|g| &g[..])
+        .collect();
+    // (the root's fetch, which prefetches the embedding, comes last in `forward`'s list)
+    assert_eq!(groups, [&[1, 2][..], &[3, 4], &[5, 6], &[0]], "{run:?}");
+}
+
+#[test]
 fn the_last_unit_stays_gathered_for_its_backward_only_when_training() {
     let mut c = chain(&[10, 10, 10], None, 100);
     forward(&mut c, &[1, 2, 3], true);

@@ -38,10 +38,13 @@ def test_compile_before_init_process_group(monkeypatch):
     assert model.weight.shape == (4, 3), "the model must not be sharded after the error"
 
 
-def test_compiling_twice_is_refused():
-    model = zrs.compile(nn.Linear(3, 4), backend="eager")
-    with pytest.raises(zrs.ZrsError, match="already sharded"):
-        zrs.compile(model)
+def test_sharding_twice_is_refused():
+    compiled = zrs.compile(nn.Linear(3, 4), backend="eager")
+    sharded = zrs.shard(nn.Linear(3, 4))
+    for again in (zrs.compile, zrs.shard):
+        for model in (compiled, sharded):
+            with pytest.raises(zrs.ZrsError, match=r"already sharded by zrs \(zrs\.compile or"):
+                again(model)
 
 
 def test_assigning_a_parameter_to_a_sharded_name_is_refused(monkeypatch):

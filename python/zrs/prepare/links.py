@@ -83,7 +83,10 @@ def check_devices(model: nn.Module) -> torch.device | None:
             "pass the model that owns the parameters to zrs.compile"
         )
     if any(getattr(m, "_zrs_params", None) for m in model.modules()):
-        raise ZrsError("this model is already sharded by zrs.compile; compile it only once")
+        raise ZrsError(
+            "this model is already sharded by zrs (zrs.compile or zrs.shard): shard a model "
+            "once, with one of them, and call the model it returned"
+        )
     devices = {p.device for p in params if p.device.type != "meta"}
     if len(devices) > 1:
         names = ", ".join(sorted(str(d) for d in devices))

@@ -59,10 +59,7 @@ def settle() -> str:
     behind: a short run from a cold extension cache would time the torch ops."""
     from zrs.runtime import kernels
 
-    builder = kernels.LOADER.builder
-    if builder is not None:
-        builder.join()
-    kernels.load()
+    kernels.wait()
     return kernels.status()[0]
 
 

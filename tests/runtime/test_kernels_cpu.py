@@ -212,6 +212,28 @@ def test_background_build_is_joined_and_its_failure_warned_by_load(monkeypatch):
     assert kernels.LOADER.builder is None and kernels.status()[0] == "failed"
 
 
+def test_wait_joins_the_background_build(monkeypatch):
+    started = threading.Event()
+    release = threading.Event()
+
+    def slow_build(verbose=False):
+        started.set()
+        release.wait(10)
+        return "zrs_kernels.so"
+
+    monkeypatch.setattr(kernels, "LOADER", kernels.Loader())  # a process that never loaded
+    monkeypatch.delenv("ZRS_NO_CUDA_KERNELS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(kernels, "build", slow_build)
+    kernels.build_in_background()
+    assert started.wait(10)
+    assert not kernels.load()  # load() does not wait
+    threading.Timer(0.2, release.set).start()
+    assert kernels.wait()  # wait() does
+    assert kernels.status()[0] == "loaded"
+
+
 def test_disabled_by_env(monkeypatch):
     monkeypatch.setattr(kernels, "LOADER", kernels.Loader())  # a process that never loaded
     monkeypatch.setenv("ZRS_NO_CUDA_KERNELS", "1")

@@ -209,6 +209,14 @@ def load() -> bool:
     return LOADER.load()
 
 
+def wait() -> bool:
+    """`load()`, after waiting for a build running in the background: True when loaded."""
+    builder = LOADER.builder
+    if builder is not None:
+        builder.join()
+    return LOADER.load()
+
+
 def status() -> tuple[str, str]:
     """("unloaded" | "loaded" | "failed" | "disabled", the reason when not loaded)."""
     return LOADER.status, LOADER.reason

@@ -67,8 +67,8 @@ def compile(
         process_group: the data-parallel group (default: the world group; none needed for one
             process).
         backend: "inductor" (default) or "eager" (run the lowered FX graphs without codegen).
-        param_dtype: compute dtype of gathered parameters (e.g. torch.bfloat16; default: the
-            master dtype).
+        param_dtype: compute dtype of gathered parameters (e.g. torch.bfloat16; default: each
+            parameter's own dtype).
         reduce_dtype: dtype of the gradient reduce-scatter (default: the master dtype).
         master_dtype: dtype of the shards, which the optimizer steps and keeps its state in.
             Default: fp32 master weights whatever the parameters' dtype (float64 in a float64

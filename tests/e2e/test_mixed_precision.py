@@ -1,8 +1,8 @@
 """Mixed precision: param_dtype=bfloat16 (fp32 reduce, fp32 master shards) against an unsharded
 reference that runs its forward under torch.autocast("cpu", dtype=torch.bfloat16) and averages the
 per-rank gradients; and master_dtype=bfloat16 (a bf16 model trained wholly in bf16, no fp32 copy)
-against the same model trained unsharded in bf16. Same group-of-workers layout as
-test_correctness.py."""
+against the same model trained unsharded in bf16; and a model with an fp16 layer among fp32 ones,
+each parameter gathered in its own dtype. Same group-of-workers layout as test_correctness.py."""
 
 from __future__ import annotations
 
@@ -17,13 +17,17 @@ from checks import (
     BF16_UPDATE_RTOL,
     MASTER_ATOL,
     bf16_problems,
+    loss_problems,
     master_problems,
+    update_problems,
 )
 from zoo import (
+    MIXED_DTYPES,
     ZOO,
     Case,
     Reference,
     case_outcome,
+    compare_params,
     run_cases,
     train_reference,
     unexpected_graph_breaks,
@@ -60,6 +64,7 @@ def _master_case(api: str) -> Case:
 
 def _group(backend: str, world: int) -> list[dict[str, dict]]:
     cases = [_case(backend, m) for m in MODELS] + [_master_case(a) for a in MASTER_APIS[backend]]
+    cases += [Case(MIXED_DTYPES.name, a) for a in MASTER_APIS[backend]]
     return cached_run(("mixed_precision", backend, world), run_cases, world, cases)
 
 
@@ -143,3 +148,52 @@ def test_bf16_master_tolerance_is_meaningful() -> None:
         update = (final - ref.init[name]).float()
         assert (update != 0).float().mean() > 0.4, name
         assert update.abs().max() > 10 * MASTER_ATOL, name
+
+
+# An fp16 layer among fp32 ones (param_dtype unset) against the same model trained unsharded: zrs
+# gathers each parameter in its own dtype over fp32 masters, while the reference keeps the fp16
+# layer's weights and momentum in fp16, so its weights may round one fp16 step apart (2**-12 at
+# their magnitude, 2.4e-4), and the fp32 layers see that through its output. Measured in the
+# workers (both backends, zrs.shard, worlds 1 and 2): at most one fp16 step elementwise; the fp16
+# layer's updates off by at most 1.7% of their norm, the fp32 layers' by 0.05%. The bounds leave
+# 3-4x margin; compare_params checks each tensor's dtype, so an fp16 layer returned in fp32 fails.
+FP16_ATOL, FP16_UPDATE_RTOL, FP16_LOSS_RTOL = 1e-3, 0.05, 5e-3
+
+
+@functools.cache
+def _mixed_reference(world: int) -> Reference:
+    return train_reference(MIXED_DTYPES, world)
+
+
+@pytest.mark.parametrize(
+    ("api", "world"),
+    [
+        pytest.param(api, world, id=f"{api}-w{world}")
+        for backend in BACKENDS
+        for world in WORLD_SIZES
+        for api in MASTER_APIS[backend]
+    ],
+)
+def test_an_fp16_layer_among_fp32_ones_keeps_its_dtype(api: str, world: int) -> None:
+    backend = "eager" if api == "shard" else api
+    per_rank = case_outcome(_group(backend, world), Case(MIXED_DTYPES.name, api).key)
+    ref = _mixed_reference(world)
+    state = per_rank[0]["state"]
+    problems = loss_problems(per_rank, ref, rtol=FP16_LOSS_RTOL)
+    problems += compare_params(state, ref.final, rtol=0.0, atol=FP16_ATOL)
+    problems += update_problems(state, ref, rtol=FP16_UPDATE_RTOL)
+    if problems:
+        pytest.fail(
+            f"{MIXED_DTYPES.name} ({api}, world {world}) differs from the model trained "
+            f"unsharded after {len(ref.losses)} SGD-momentum steps:\n  " + "\n  ".join(problems),
+            pytrace=False,
+        )
+
+
+def test_fp16_tolerance_is_meaningful() -> None:
+    """Guards the bounds above: the fp16 layer's parameters, which the elementwise bound is for,
+    move by far more than it; every parameter moves (the update bound is relative)."""
+    ref = _mixed_reference(2)
+    for name, final in ref.final.items():
+        moved = (final.float() - ref.init[name].float()).abs().max()
+        assert moved > (10 * FP16_ATOL if final.dtype == torch.float16 else 0), name

@@ -90,6 +90,22 @@ class MLP(nn.Module):
         return self.fc3(x)
 
 
+class MixedFP16(nn.Module):
+    """An fp16 layer between fp32 ones, which casts its input as the fp16 layer needs: zrs
+    gathers each parameter in its own dtype (issue 36)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(7, 13)
+        self.half_fc = nn.Linear(13, 11).half()
+        self.fc3 = nn.Linear(11, 5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = torch.tanh(self.fc1(x))
+        x = F.gelu(self.half_fc(x.half())).float()
+        return self.fc3(x)
+
+
 # --- a small GPT with tied token embedding and LM head ----------------------------------------
 
 GPT_VOCAB, GPT_DIM, GPT_SEQ, GPT_LAYERS, GPT_HEADS = 64, 32, 16, 2, 2
@@ -271,10 +287,16 @@ def _conv_batch(rank: int, step: int) -> Batch:
     return (torch.randn(4, 3, 7, 7, generator=g), torch.randn(4, 3, generator=g))
 
 
+# Models of one test module's own, outside the zoo every correctness test trains.
+MIXED_DTYPES = ZooModel("mixed_fp16", MixedFP16, _regression_batch(6, 7, 5, salt=10), _mse, seed=10)
+
+
 def spec_of(name: str) -> ZooModel:
     """A model of this zoo or of the Hugging Face zoo (`hf_zoo`, which needs transformers)."""
     if name in ZOO:
         return ZOO[name]
+    if name == MIXED_DTYPES.name:
+        return MIXED_DTYPES
     from hf_zoo import HF_ZOO
 
     return HF_ZOO[name]

@@ -115,7 +115,10 @@ def full_state_dict(
         h = names.get(key)
         if h is not None:
             if h.ds_id not in gathered:
-                full = collectives.gather_full(h, h.shard, None)
+                # in the parameter's own dtype, as the unsharded model holds it
+                full = collectives.gather_full(
+                    h, h.shard, None if h.dtype == h.shard.dtype else h.dtype
+                )
                 full = full.cpu() if cpu_offload else full.clone()
                 gathered[h.ds_id] = full if keep else full.new_empty(0)
             value = gathered[h.ds_id]

@@ -4,7 +4,8 @@ dtypes they accept, shard in and reduce in).
 By default shards are fp32 master weights, whatever the parameters' float dtype, except for a
 float64 model, which keeps float64 throughout (shards, gathers and, unless told otherwise, the
 gradient reduce). `master_dtype=` chooses the shards' dtype instead, e.g. bfloat16 for a model
-trained wholly in bf16, as FSDP2 trains a model cast to bf16 before `fully_shard`.
+trained wholly in bf16, as FSDP2 trains a model cast to bf16 before `fully_shard`. Each parameter
+is gathered in `param_dtype`, or else in its own dtype (`ParamHandle.compute_dtype`).
 """
 
 from __future__ import annotations

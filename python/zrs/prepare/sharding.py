@@ -206,7 +206,9 @@ def _shard_one(state: ZeroState, param: nn.Parameter, name: str) -> ParamHandle:
             shape=param.shape,
             stride=tuple(reversed(list(strides))) if param.dim() else (),
         )
-    h = handles.add_handle(state, shard, nn.Parameter(local, param.requires_grad), slot, name)
+    h = handles.add_handle(
+        state, shard, nn.Parameter(local, param.requires_grad), slot, name, param.dtype
+    )
     if param.requires_grad:
         # Weakly: a tensor the dynamo cache still holds must not keep a dropped model's state.
         handle = weakref.ref(h)
@@ -256,7 +258,9 @@ def shard_model(
                     state, value, f"{prefix}.{name}" if prefix else name
                 )
             module._parameters[name] = h.param
-            specs[name] = (h.ds_id, list(h.shape), state.param_dtype)
+            # gathered in its own dtype (an fp16 layer among fp32 ones stays fp16) or param_dtype
+            gathered = h.compute_dtype
+            specs[name] = (h.ds_id, list(h.shape), None if gathered == h.shard.dtype else gathered)
             shards[name] = h.shard
         if specs:
             module._zrs_params = specs

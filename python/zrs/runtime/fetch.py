@@ -103,7 +103,7 @@ class Fetcher:
         self.agreed = False  # the first complete trace was compared across the ranks
 
     def _new_leaf(self, h: ParamHandle) -> tuple[torch.Tensor, torch.Tensor]:
-        dtype = self.state.param_dtype or h.shard.dtype
+        dtype = h.compute_dtype
         raw = torch.empty(h.padded_numel, dtype=dtype, device=h.shard.device)
         with torch.no_grad():
             leaf = torch.empty(0, dtype=dtype, device=raw.device)
@@ -307,14 +307,13 @@ class Fetcher:
         issue, wait, prefetch, diverged = fetch
         if diverged is not None:
             self.warn_diverged(diverged)
-        now = self._gather(issue) if issue else None
+        now = self._gather(issue) if issue else []
         for group in prefetch:
-            flight = self._gather(group)
-            if flight is not None:
-                for slot in group:
+            for flight in self._gather(group):
+                for slot in flight.slots:
                     self.flights[slot] = flight
-        if now is not None:
-            self._complete(now)
+        for flight in now:
+            self._complete(flight)
         for slot in wait:
             flight = self.flights.get(slot)
             if flight is not None:
@@ -322,9 +321,17 @@ class Fetcher:
         for slot in itertools.chain(issue, wait):
             self.ready[slot] = 1
 
-    def _gather(self, slots: list[int]) -> Flight | None:
-        """Allocate the leaves' storage and start their all-gather (one collective); None when
-        nothing is left in flight (one rank: the shards are cast into place)."""
+    def _gather(self, slots: list[int]) -> list[Flight]:
+        """Allocate the leaves' storage and start their all-gathers: one collective for each
+        gathered dtype among them (a unit mixing fp16 and fp32 layers takes two). None is left in
+        flight at one rank: the shards are cast into place."""
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for slot in slots:
+            by_dtype.setdefault(self.raws[slot].dtype, []).append(slot)
+        flights = (self._gather_one_dtype(group) for group in by_dtype.values())
+        return [f for f in flights if f is not None]
+
+    def _gather_one_dtype(self, slots: list[int]) -> Flight | None:
         state = self.state
         hs = [self.handles[s] for s in slots]
         raws = [self.raws[s] for s in slots]

@@ -46,6 +46,7 @@ class Model(Protocol):
     the handles it owns, its count of optimizer steps, and what it drops before a step."""
 
     registry: Registry
+    param_dtype: torch.dtype | None
     handles: list[ParamHandle]
     ds_ids: dict[int, int]  # id(shard) -> ds_id
     optimizer_steps: int
@@ -74,7 +75,13 @@ class ParamHandle:
     local_numel: int  # this rank's real elements: the first of `shard`, the rest is padding
     local_shape: tuple[int, ...]
     spec: DTensorSpec | None  # the parameter's (and its gradient's) DTensor spec
+    dtype: torch.dtype  # the parameter's own: gathered in it unless `param_dtype` says otherwise
     name: str = ""  # its qualified name in the model, for error messages
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype its gathers produce: the model's `param_dtype`, else its own."""
+        return self.state.param_dtype or self.dtype
 
 
 class Live:
@@ -120,7 +127,12 @@ LIVE = Live()
 
 
 def add_handle(
-    state: Model, shard: torch.Tensor, param: nn.Parameter, slot: int, name: str
+    state: Model,
+    shard: torch.Tensor,
+    param: nn.Parameter,
+    slot: int,
+    name: str,
+    dtype: torch.dtype,
 ) -> ParamHandle:
     info = state.registry.info(slot)
     local = param.to_local() if isinstance(param, DTensor) else param
@@ -137,6 +149,7 @@ def add_handle(
         local_numel=local.numel(),
         local_shape=tuple(local.shape),
         spec=param._spec if isinstance(param, DTensor) else None,
+        dtype=dtype,
         name=name,
     )
     LIVE.handles[h.ds_id] = h

@@ -64,6 +64,7 @@ def make_state(links: Links, precision: Precision, **state_options: Any) -> Zero
         param_dtype=precision.param,
         master_dtype=precision.master,
         reduce_dtype=precision.reduce,
+        own_dtypes=precision.own,
         registry=Registry(world),
         timeout=links.timeout,
         gather_group=links.gather_group,

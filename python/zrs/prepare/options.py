@@ -5,7 +5,8 @@ By default shards are fp32 master weights, whatever the parameters' float dtype,
 float64 model, which keeps float64 throughout (shards, gathers and, unless told otherwise, the
 gradient reduce). `master_dtype=` chooses the shards' dtype instead, e.g. bfloat16 for a model
 trained wholly in bf16, as FSDP2 trains a model cast to bf16 before `fully_shard`. Each parameter
-is gathered in `param_dtype`, or else in its own dtype (`ParamHandle.compute_dtype`).
+is gathered in `param_dtype`, or else in its own dtype (`ParamHandle.compute_dtype`); a
+`master_dtype` converts the whole model to it.
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 @dataclass(frozen=True)
 class Precision:
-    """The dtypes of one model: gathered parameters' (None: the shards'), the shards' and the
-    gradient reduce's."""
+    """The dtypes of one model: gathered parameters' (None: each parameter's own, or the shards'
+    when master_dtype converted the model), the shards' and the gradient reduce's."""
 
     param: torch.dtype | None
     master: torch.dtype
     reduce: torch.dtype
+    own: bool  # each parameter keeps its own dtype (no master_dtype converts the model)
 
 
 def check_common(
@@ -49,7 +51,7 @@ def check_common(
     check_dtype("master_dtype", master)
     check_param_dtypes(model, master)
     shards = master_dtype(model, master)
-    return Precision(param, shards, default_reduce_dtype(shards, reduce))
+    return Precision(param, shards, default_reduce_dtype(shards, reduce), own=master is None)
 
 
 def check_choice(name: str, value: str, choices: Iterable[str]) -> None:

@@ -207,7 +207,12 @@ def _shard_one(state: ZeroState, param: nn.Parameter, name: str) -> ParamHandle:
             stride=tuple(reversed(list(strides))) if param.dim() else (),
         )
     h = handles.add_handle(
-        state, shard, nn.Parameter(local, param.requires_grad), slot, name, param.dtype
+        state,
+        shard,
+        nn.Parameter(local, param.requires_grad),
+        slot,
+        name,
+        param.dtype if state.own_dtypes else state.master_dtype,
     )
     if param.requires_grad:
         # Weakly: a tensor the dynamo cache still holds must not keep a dropped model's state.

@@ -66,6 +66,9 @@ class ZeroState:
     # a weight-gradient mm wrote into the gathered weight's buffer), so there the release only
     # drops the runtime's reference.
     free_on_release: bool = True
+    # True (no master_dtype given): each parameter computes, and comes back in full state dicts,
+    # in its own dtype. False: master_dtype converted the whole model to it.
+    own_dtypes: bool = True
     # How long any collective or meeting of this model waits for a peer.
     timeout: datetime.timedelta = datetime.timedelta(minutes=30)
     # The parameter all-gathers' communicator: `group`, or one over its ranks with `timeout`.

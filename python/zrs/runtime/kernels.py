@@ -211,8 +211,7 @@ def load() -> bool:
 
 def wait() -> bool:
     """`load()`, after waiting for a build running in the background: True when loaded."""
-    builder = LOADER.builder
-    if builder is not None:
+    if (builder := LOADER.builder) is not None:
         builder.join()
     return LOADER.load()
 

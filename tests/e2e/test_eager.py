@@ -142,6 +142,27 @@ def test_gradients_are_packed_a_unit_at_a_time(monkeypatch):
     _assert_same(plain, model)
 
 
+def test_a_backward_that_raised_leaves_no_gradient_behind():
+    """The gradients a raising backward had finished (here all of them: one module, nothing
+    packed before the end) are dropped with it, not packed into the next step's buckets."""
+    plain, model, (opt_p, opt_m) = _pair(lambda: nn.Linear(6, 2))
+    x = torch.randn(4, 6)
+
+    def boom(_):
+        raise RuntimeError("boom")
+
+    raising = x.clone().requires_grad_(True)
+    raising.register_hook(boom)  # after the module's backward, before the end
+    with pytest.raises(RuntimeError, match="boom"):
+        model(raising).square().mean().backward()
+    assert model._zrs_state.fetcher.pending, "the case this test is for"
+    opt_m.zero_grad(set_to_none=True)
+    for _ in range(2):
+        _step(plain, opt_p, x)
+        _step(model, opt_m, x)
+    _assert_same(plain, model)
+
+
 def test_activation_checkpointing_and_accumulation_match_the_plain_model():
     spec = spec_of("hf_gpt2")
     torch.manual_seed(0)

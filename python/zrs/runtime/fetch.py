@@ -119,6 +119,8 @@ class Fetcher:
         """The root's forward starts (`training`: a backward may follow)."""
         if torch._C._current_graph_task_id() == -1:  # not a recompute inside the backward
             self.training = training
+            if self.pending:  # gradients of a backward that raised: never into this step's
+                self.state.recover("the previous backward stopped part-way (it raised)")
         self.open = True
         self._free(self.coordinator.begin_forward(training))
 
@@ -185,8 +187,8 @@ class Fetcher:
             self._complete(flight)
 
     def busy(self) -> bool:
-        """True while something is gathered, in flight or running."""
-        return self.depth > 0 or bool(self.flights) or any(self.ready)
+        """True while something is gathered, in flight, running or waiting to be packed."""
+        return self.depth > 0 or bool(self.flights) or any(self.ready) or bool(self.pending)
 
     def forget(self) -> None:
         """Drop everything without waiting for the collectives in flight (tests)."""

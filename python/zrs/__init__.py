@@ -105,12 +105,13 @@ def compile(
             over the same ranks, so that they need not queue behind the all-gathers prefetched
             before them (NCCL runs one communicator's collectives in issue order). False: one
             communicator for both, which then never run at the same time.
-        dynamic: passed to torch.compile. None (default): with several ranks, every size of
-            the forward's tensor arguments is symbolic from the first compile (the model's own
-            buffers stay static), so that batches whose shapes change from step to step, or
-            differ between the ranks, never make one rank compile alone; with one process
-            torch.compile's default (a shape change recompiles once, with the changed sizes
-            symbolic). True: every size of every tensor the forward reads is symbolic.
+        dynamic: passed to torch.compile. None (default): torch.compile's default (static
+            sizes; a shape change recompiles once, with the changed sizes symbolic) while every
+            rank's forward inputs have the same shapes, which the step check before each
+            forward compares; from the first call where they differ, every size of the
+            forward's tensor arguments is symbolic on every rank (the model's own buffers stay
+            static), so that no rank ever compiles alone. True: every size of every tensor the
+            forward reads is symbolic from the first compile.
         timeout: seconds any collective or meeting of this model waits for a peer: the
             all-gathers, the reduce-scatters, the rank checks at each compile and before each
             forward. A peer that stalls, dies or raises then gives every other rank a ZrsError
@@ -174,9 +175,10 @@ def compile(
     checkpointing.install_hooks(model)
     integrations.adopt_conventions(model)
     prepare.install_units(model, state, layered=False, limits={})
-    dynamic_inputs = dynamic is None and world > 1
+    state.compare_inputs = dynamic is None and world > 1
+    inputs_agree = (lambda: state.inputs_agree) if state.compare_inputs else None
     forward = compile_forward(
-        model, make_backend(state, backend), links.entry, dynamic, dynamic_inputs
+        model, make_backend(state, backend), links.entry, dynamic, inputs_agree
     )
     prepare.install_forward(model, forward)
     return model

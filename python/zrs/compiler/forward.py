@@ -29,16 +29,36 @@ _log = logging.getLogger("zrs")
 
 
 def compile_forward(
-    model: nn.Module, backend: Any, entry: int, dynamic: bool | None, dynamic_inputs: bool
+    model: nn.Module,
+    backend: Any,
+    entry: int,
+    dynamic: bool | None,
+    inputs_agree: Callable[[], bool] | None,
 ) -> Callable[..., Any]:
     """The model's call, compiled; if dynamo cannot capture a repeated block as a compile region,
     compiled again with every layer traced on its own (what `regions=False` does).
-    `dynamic_inputs`: every size of the forward's tensor arguments is symbolic from the first
-    compile (`_compiled_forward`)."""
-    compiled = _compiled_forward(model, backend, f"zrs_forward_{entry}", dynamic, dynamic_inputs)
+
+    `inputs_agree` (several ranks, dynamic=None): whether every rank's inputs had the same shapes
+    at this call (the step check before it compares them). While they do, sizes are static, as
+    in one process: every rank passes the same guards, and a shape change recompiles every rank
+    at the same call. From the first call where they differ, every size of the forward's tensor
+    arguments is symbolic, on every rank from that same call on, so that no rank recompiles alone
+    (a compile meets the other ranks)."""
+    flat = False
+    symbolic = False
+    compiled = _compiled_forward(model, backend, f"zrs_forward_{entry}", dynamic, symbolic)
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        nonlocal compiled
+        nonlocal compiled, flat, symbolic
+        if inputs_agree is not None and not symbolic and not inputs_agree():
+            symbolic = True
+            _log.info(
+                "zrs: the ranks' inputs differ in shape: compiling again with symbolic sizes, "
+                "kept from now on (dynamic=True starts with them)"
+            )
+            compiled = _compiled_forward(
+                model, backend, _name(entry, flat, symbolic), dynamic, True
+            )
         try:
             with integrations.call_scope(model, args, kwargs):
                 return compiled(*args, **kwargs)
@@ -54,12 +74,18 @@ def compile_forward(
                 type(e).__name__,
                 str(e).splitlines()[0] if str(e) else "",
             )
-            flat = f"zrs_forward_{entry}_flat"
-            compiled = _compiled_forward(model, backend, flat, dynamic, dynamic_inputs)
+            flat = True
+            name = _name(entry, flat, symbolic)
+            compiled = _compiled_forward(model, backend, name, dynamic, symbolic)
             with integrations.call_scope(model, args, kwargs):
                 return compiled(*args, **kwargs)
 
     return call
+
+
+def _name(entry: int, flat: bool, symbolic: bool) -> str:
+    """The compiled entry's code name: dynamo keeps each one's compiled graphs apart."""
+    return f"zrs_forward_{entry}{'_flat' if flat else ''}{'_symbolic' if symbolic else ''}"
 
 
 def _zrs_error(e: BaseException) -> ZrsError | None:
@@ -92,7 +118,7 @@ def _raised_compiling(e: BaseException) -> bool:
 
 
 def _compiled_forward(
-    model: nn.Module, backend: Any, name: str, dynamic: bool | None, dynamic_inputs: bool
+    model: nn.Module, backend: Any, name: str, dynamic: bool | None, symbolic: bool
 ) -> Any:
     """What `model.compile(backend=...)` does, but entered through a frame of zrs code.
 
@@ -113,7 +139,7 @@ def _compiled_forward(
     compiled = torch.compile(zrs_forward, backend=backend, dynamic=dynamic)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if dynamic_inputs:
+        if symbolic:
             # The batch's sizes symbolic, the model's own tensors (buffers) static: what
             # dynamic=True gave minus a symbol for every buffer, which made the first compile at
             # several ranks twice as long on the CPU (docs/compile-time.md).
@@ -127,7 +153,7 @@ def _compiled_forward(
         # are constants: with dynamic sizes dynamo (torch 2.11) passed them to a compile region
         # as tensors read with .item(), which AOTAutograd refused, so no region survived.
         with (
-            fx_config.patch(use_duck_shape=not (dynamic or dynamic_inputs)),
+            fx_config.patch(use_duck_shape=not (dynamic or symbolic)),
             torch._dynamo.config.patch(specialize_float=True),
         ):
             return compiled(*args, **kwargs)

@@ -44,7 +44,7 @@ def guarded(model: nn.Module, call: Callable[..., Any]) -> Callable[..., Any]:
     assert fetcher is not None, "the eager path is installed before the forward"
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        state.begin_forward(model.training)
+        state.begin_forward(model.training, (args, kwargs))
         try:
             fetcher.begin(torch.is_grad_enabled())
             fetcher.enter(ROOT)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import itertools
 import logging
 import weakref
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._pytree import tree_flatten
 
 from zrs._core import Registry, ZrsError
 from zrs.runtime import streams
@@ -124,6 +126,11 @@ class ZeroState:
     forwards: int = 0
     backwards: int = 0
     optimizer_steps: int = 0
+    # Whether the step check also compares the shapes of the forward's inputs (zrs.compile at
+    # several ranks: compiler/forward.py compiles static sizes while they agree), and whether
+    # they agreed at the last forward call.
+    compare_inputs: bool = False
+    inputs_agree: bool = True
     # Why this model can no longer run: a collective failed or the ranks disagreed. Set once.
     broken: str | None = None
     # The module this state shards (zrs.CapturedStep reads its train/eval flags).
@@ -197,9 +204,10 @@ class ZeroState:
 
     # --- steps ------------------------------------------------------------------------------
 
-    def begin_forward(self, training: bool) -> None:
+    def begin_forward(self, training: bool, inputs: object = None) -> None:
         """Start a call of the compiled model: refuse a broken model, clean up after a step that
-        stopped part-way, and check that every rank is at the same call (STEP_COUNTERS)."""
+        stopped part-way, and check that every rank is at the same call (STEP_COUNTERS); with
+        `compare_inputs`, learn whether every rank's `inputs` have the same shapes."""
         self.check_usable()
         if torch._C._current_graph_task_id() != -1:
             return  # a recompute inside the backward (activation checkpointing): mid-step
@@ -209,7 +217,8 @@ class ZeroState:
             )
         self.forwards += 1
         self.step.graph = -1
-        self._check_step(f"forward call {self.forwards}", training)
+        signature = input_signature(inputs) if self.compare_inputs else 0
+        self._check_step(f"forward call {self.forwards}", training, signature)
 
     def replayed(self, forwards: int, backwards: int) -> None:
         """A captured step (`zrs.CapturedStep`) that ran `forwards` forward calls and `backwards`
@@ -227,8 +236,9 @@ class ZeroState:
         training = module.training if module is not None else True
         self._check_step(f"the replay that ends at forward call {self.forwards}", training)
 
-    def _check_step(self, what: str, training: bool) -> None:
-        """Every rank is at the same call (STEP_COUNTERS), or ZrsError on every rank."""
+    def _check_step(self, what: str, training: bool, signature: int | None = None) -> None:
+        """Every rank is at the same call (STEP_COUNTERS), or ZrsError on every rank; with a
+        `signature` of the inputs (the same exchange), `inputs_agree` says if all are equal."""
         if self.control_group is None:
             return
         mine = [
@@ -237,14 +247,18 @@ class ZeroState:
             self.optimizer_steps,
             training,
             torch.is_grad_enabled(),
+            signature or 0,
         ]
         try:
             everyone = all_gather_ints([int(v) for v in mine], self.control_group)
         except Exception as exc:
             raise self.failed(f"the step check before {what}", exc) from exc
-        if all(row == everyone[0] for row in everyone):
+        if signature is not None:
+            self.inputs_agree = len({row[-1] for row in everyone}) == 1
+        counters = [row[:-1] for row in everyone]
+        if all(row == counters[0] for row in counters):
             return
-        self._disagree(everyone, what)
+        self._disagree(counters, what)
 
     def _disagree(self, everyone: list[list[int]], what: str) -> None:
         differ = [n for c, n in enumerate(STEP_COUNTERS) if len({row[c] for row in everyone}) > 1]
@@ -321,3 +335,20 @@ def reset() -> None:
         if state.fetcher is not None:
             state.fetcher.forget()
         state.registry.drop_all_gathers()
+
+
+def input_signature(inputs: object) -> int:
+    """A 64-bit digest of the forward's arguments as a static compile's guards see their tensors:
+    the structure, each tensor's shape, strides, dtype, device type and requires_grad. Equal on
+    ranks whose tensors pass the same guards (the device index left out). Other values count by
+    their type only: ranks whose flags differ compile different graphs with sizes symbolic too,
+    and the compile's rank check names the difference."""
+    leaves, spec = tree_flatten(inputs)
+    parts = [str(spec)]
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            parts.append(f"{tuple(x.shape)}{x.stride()}{x.dtype}{x.device.type}{x.requires_grad}")
+        else:
+            parts.append(type(x).__qualname__)
+    digest = hashlib.blake2b("|".join(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)

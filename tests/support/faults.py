@@ -416,6 +416,10 @@ def disagreements(
     }
     chosen = list(every) if cases is None else cases
     for case in chosen:
+        # Dynamo remembers per code object which sizes changed (automatic dynamic): after a
+        # case where the ranks' shapes differed, each rank's memory of Net.forward differs, and
+        # the next case's first compile would differ between the ranks before its fault.
+        torch._dynamo.reset()
         dist.barrier()  # every case starts together
         out[case] = _expect_error(case, every[case])
     return out

@@ -70,6 +70,17 @@ def breakdown(record: dict) -> dict[str, float]:
     return {k: round(v, 2) for k, v in phases.items()}
 
 
+def compile_threads(setting: str, world: int, cores: int) -> str | None:
+    """TORCHINDUCTOR_COMPILE_THREADS for each rank of a run: "torch" (None: torch's default, a
+    worker per core in every rank), "split" (the host's cores divided among the ranks), or a
+    number."""
+    if setting == "torch":
+        return None
+    if setting == "split":
+        return str(max(1, cores // world))
+    return str(int(setting))
+
+
 def _run(system: str, world: int, cache: Path, args: argparse.Namespace) -> dict:
     env = dict(os.environ)
     env |= {
@@ -77,6 +88,9 @@ def _run(system: str, world: int, cache: Path, args: argparse.Namespace) -> dict
         "TRITON_CACHE_DIR": str(cache / "triton"),
         "TORCH_EXTENSIONS_DIR": str(cache / "torch_extensions"),
     }
+    threads = compile_threads(args.compile_threads, world, os.cpu_count() or 1)
+    if threads is not None:
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = threads
     with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as out:
         cmd = [
             "torchrun", "--standalone", "--nproc-per-node", str(world), str(HERE / "step.py"),
@@ -113,6 +127,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
                     shutil.rmtree(cache, ignore_errors=True)
                 run = _run(system, world, cache, args)
                 row = {"system": system, "preset": args.preset, "world": world, "cache": state}
+                row["compile_threads"] = args.compile_threads
                 if "record" in run:
                     rec = run["record"]
                     row |= breakdown(rec) | {"step_ms_med": rec.get("step_ms_med")}
@@ -156,6 +171,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--step-args", default="", help="more step.py arguments, one string")
     p.add_argument("--timeout", type=float, default=420.0, help="seconds a run may take")
     p.add_argument("--cache-root", default="/tmp/compile_time_cache")
+    p.add_argument(
+        "--compile-threads",
+        default="torch",
+        help="inductor's compile workers per rank: torch (its default), split (the host's "
+        "cores divided among the ranks) or a number",
+    )
     p.add_argument("--out", type=Path, help="append the JSON lines here")
     p.add_argument("--table", type=Path, help="print the Markdown table of this file and exit")
     args = p.parse_args(argv)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from compile_time import breakdown, table
+from compile_time import breakdown, compile_threads, table
 
 
 def _record() -> dict:
@@ -54,3 +54,10 @@ def test_the_table_has_a_row_per_run_and_names_a_failed_one() -> None:
     failed = row | {"cache": "warm", "error": "exit status 1"}
     lines = table([ok, failed]).splitlines()
     assert len(lines) == 4 and "| 30.0 |" in lines[2] and "exit status 1" in lines[3]
+
+
+def test_compile_threads_are_torchs_split_among_the_ranks_or_given() -> None:
+    assert compile_threads("torch", 2, 32) is None
+    assert compile_threads("split", 2, 32) == "16"
+    assert compile_threads("split", 64, 32) == "1"
+    assert compile_threads("4", 2, 32) == "4"

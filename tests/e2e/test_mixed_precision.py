@@ -109,6 +109,15 @@ def test_tolerance_is_meaningful(model: str) -> None:
         assert (final - fp32.final[name]).norm() / update < UPDATE_RTOL / 2, name
 
 
+# Every API (each backend and zrs.shard) at every world size, for the master and fp16 tests.
+API_WORLDS = [
+    pytest.param(api, world, id=f"{api}-w{world}")
+    for backend in BACKENDS
+    for world in WORLD_SIZES
+    for api in MASTER_APIS[backend]
+]
+
+
 # master_dtype=bf16 against the bf16 model trained unsharded: the bounds are reasoned in
 # tests/support/checks.py.
 @functools.cache
@@ -116,15 +125,7 @@ def _bf16_reference(world: int) -> Reference:
     return train_reference(ZOO[MASTER_MODEL], world, model_dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize(
-    ("api", "world"),
-    [
-        pytest.param(api, world, id=f"{api}-w{world}")
-        for backend in BACKENDS
-        for world in WORLD_SIZES
-        for api in MASTER_APIS[backend]
-    ],
-)
+@pytest.mark.parametrize(("api", "world"), API_WORLDS)
 def test_bf16_masters_match_bf16_reference(api: str, world: int) -> None:
     backend = "eager" if api == "shard" else api
     per_rank = case_outcome(_group(backend, world), _master_case(api).key)
@@ -165,15 +166,7 @@ def _mixed_reference(world: int) -> Reference:
     return train_reference(MIXED_DTYPES, world)
 
 
-@pytest.mark.parametrize(
-    ("api", "world"),
-    [
-        pytest.param(api, world, id=f"{api}-w{world}")
-        for backend in BACKENDS
-        for world in WORLD_SIZES
-        for api in MASTER_APIS[backend]
-    ],
-)
+@pytest.mark.parametrize(("api", "world"), API_WORLDS)
 def test_an_fp16_layer_among_fp32_ones_keeps_its_dtype(api: str, world: int) -> None:
     backend = "eager" if api == "shard" else api
     per_rank = case_outcome(_group(backend, world), Case(MIXED_DTYPES.name, api).key)

@@ -169,15 +169,20 @@ def test_the_build_folder_is_named_by_the_source_and_sits_under_the_extensions_r
     assert kernels.build_dir() != shipped  # a changed kernel is never loaded from the old build
 
 
+def _fresh_cuda_process(monkeypatch, build) -> None:
+    """A process that never loaded the kernels, on a machine with CUDA, whose build is `build`."""
+    monkeypatch.setattr(kernels, "LOADER", kernels.Loader())
+    monkeypatch.delenv("ZRS_NO_CUDA_KERNELS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(kernels, "build", build)
+
+
 def test_failed_build_warns_once_then_falls_back(monkeypatch):
     def broken_build(verbose=False):
         raise RuntimeError("nvcc not found")
 
-    monkeypatch.setattr(kernels, "LOADER", kernels.Loader())  # a process that never loaded
-    monkeypatch.delenv("ZRS_NO_CUDA_KERNELS", raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.version, "cuda", "13.0")
-    monkeypatch.setattr(kernels, "build", broken_build)
+    _fresh_cuda_process(monkeypatch, broken_build)
     with pytest.warns(kernels.KernelBuildWarning, match="nvcc not found.*--build"):
         assert not kernels.load()
     assert not kernels.load()  # the second call neither retries nor warns again
@@ -193,11 +198,7 @@ def test_background_build_is_joined_and_its_failure_warned_by_load(monkeypatch):
         release.wait(10)
         raise RuntimeError("nvcc not found")
 
-    monkeypatch.setattr(kernels, "LOADER", kernels.Loader())  # a process that never loaded
-    monkeypatch.delenv("ZRS_NO_CUDA_KERNELS", raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.version, "cuda", "13.0")
-    monkeypatch.setattr(kernels, "build", slow_broken_build)
+    _fresh_cuda_process(monkeypatch, slow_broken_build)
     kernels.build_in_background()
     assert started.wait(10)
     kernels.build_in_background()  # already building: no second thread
@@ -221,11 +222,7 @@ def test_wait_joins_the_background_build(monkeypatch):
         release.wait(10)
         return "zrs_kernels.so"
 
-    monkeypatch.setattr(kernels, "LOADER", kernels.Loader())  # a process that never loaded
-    monkeypatch.delenv("ZRS_NO_CUDA_KERNELS", raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.version, "cuda", "13.0")
-    monkeypatch.setattr(kernels, "build", slow_build)
+    _fresh_cuda_process(monkeypatch, slow_build)
     kernels.build_in_background()
     assert started.wait(10)
     assert not kernels.load()  # load() does not wait

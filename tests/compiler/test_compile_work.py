@@ -1,7 +1,7 @@
 """The compile work of a stack of identical layers grows with its distinct blocks, not its layers.
 
 Counted, not timed: the block bodies AOTAutograd traces, the graphs inductor lowers and their FX
-nodes. The model compiles as several ranks do (`dynamic=True`, every gather a gather): at two
+nodes, the block calls zrs's profile runs. The model compiles as several ranks do (`dynamic=True`, every gather a gather): at two
 ranks each shard's size was a symbol of its own, which made every layer a body of its own, and
 the first layer's input (an embedding's output) another (compiler/regions.py).
 """
@@ -21,6 +21,7 @@ from torch._inductor.graph import GraphLowering
 
 import zrs
 from lowered import as_several_ranks
+from zrs.compiler import profile
 from zrs.runtime import state as runtime
 
 INVOKE = torch.ops.higher_order.invoke_subgraph
@@ -46,12 +47,14 @@ class Work:
     body_traces: int  # AOTAutograd's joint traces of a block body
     bodies: set[str]  # the distinct bodies the lowered graphs call
     lowered: list[int]  # FX nodes of each graph inductor lowered, in order
+    profiled_calls: int  # block calls the profile ran (the others took their time)
 
 
 def _work(layers: int) -> Work:
     lowered: list[int] = []
     bodies: set[str] = set()
-    run = GraphLowering.run
+    timed: list[str] = []
+    run, stop = GraphLowering.run, profile._Timer.stop
 
     def counting_run(self, *args):
         lowered.append(len(self.module.graph.nodes))
@@ -59,17 +62,23 @@ def _work(layers: int) -> Work:
         bodies.update(c.args[0].target for c in calls)
         return run(self, *args)
 
+    def counting_stop(self, name: str, begin) -> None:
+        timed.append(name)
+        stop(self, name, begin)
+
     torch._dynamo.reset()  # (clears the compile timers too)
     torch.manual_seed(0)
     with pytest.MonkeyPatch.context() as mp, inductor_config.patch(fx_graph_cache=False):
         mp.setattr(GraphLowering, "run", counting_run)
+        mp.setattr(profile._Timer, "stop", counting_stop)
         try:
             model = as_several_ranks(zrs.compile(Decoder(layers), backend="inductor", dynamic=True))
             model(torch.randint(0, VOCAB, (2, 8))).sum().backward()
         finally:
             runtime.reset()
     traces = len(compilation_time_metrics.get("invoke_subgraph_trace_joint_graph", []))
-    return Work(traces, bodies, lowered)
+    calls = sum(name.startswith("invoke_subgraph") for name in timed)
+    return Work(traces, bodies, lowered, calls)
 
 
 @pytest.mark.slow
@@ -82,6 +91,8 @@ def test_compile_work_is_flat_from_4_to_32_layers() -> None:
     assert len(few.lowered) == len(many.lowered) == 4, (few.lowered, many.lowered)
     fw, body_fw, bw, body_bw = few.lowered
     assert many.lowered[1] == body_fw and many.lowered[3] == body_bw, "the bodies did not grow"
+    # The profile runs each graph twice (a warm-up, then timed) and the block once in each.
+    assert few.profiled_calls == many.profiled_calls == 4, (few, many)
     # The outer graphs hold the whole-model plan: per layer, the call and each of its six
     # parameters' gather, wait, release and gradient traffic; a few nodes, not a block's code.
     per_layer = [

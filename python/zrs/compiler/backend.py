@@ -37,7 +37,12 @@ from zrs.compiler.profile import symints
 from zrs.compiler.recompute import reroute_aliased_outputs, tag_gathers_for_recompute
 from zrs.compiler.record import Record, agree, record_key
 from zrs.compiler.regions import inline_regions, lift_region_gathers, resolve_gathers
-from zrs.compiler.torch_fixes import region_backwards_keyed_by_value, region_schemas_built_once
+from zrs.compiler.torch_fixes import (
+    region_backwards_keyed_by_value,
+    region_schemas_built_once,
+    register_inductor_fallbacks,
+)
+from zrs.runtime.ops import SCHEMAS
 from zrs.runtime.state import ZeroState
 
 BACKENDS = ("inductor", "eager")
@@ -264,6 +269,7 @@ def _inductor(
         finally:
             _CURRENT.reset(token)
 
+    register_inductor_fallbacks(getattr(torch.ops.zrs, name).default for name in SCHEMAS)
     with inductor_config.patch(custom_partitioner_fn=partitioner, **SAME_ON_EVERY_RANK):
         return compile_fx(gm, example_inputs, inner_compile=inner)
 

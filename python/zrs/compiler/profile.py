@@ -5,7 +5,9 @@
   uninitialised buffer, nothing is communicated). Integer inputs are zeros, so embeddings and
   index ops stay in range; a node that cannot run on such data keeps the analytic estimate.
   Constants the graph holds (`get_attr`) run as copies, so in-place ops cannot touch them;
-  symbolic sizes run at their hints (`size_hints`).
+  symbolic sizes run at their hints (`size_hints`). A repeated block's body (a region call,
+  compiler/regions.py) runs once per kind of operands; its other layers' calls take that time
+  and stub outputs, so the profile's work grows with the distinct blocks, not with the layers.
 * `measure_collectives`: a short sweep of all-gather and reduce-scatter sizes on the process group,
   fitted to latency + bytes / bandwidth (`zrs.planner.fit_cost_model`).
 
@@ -31,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from zrs import planner as zplan
 from zrs._core import ZrsError
-from zrs.compiler._fx import OPS, rank_local_inputs, val
+from zrs.compiler._fx import INVOKE_SUBGRAPH, OPS, rank_local_inputs, val
 from zrs.runtime import collectives
 from zrs.runtime.exchange import all_gather_bytes
 
@@ -165,6 +167,7 @@ class _Timer:
         self.cuda = device.type == "cuda"
         self.pending: list[tuple[str, Any, Any]] = []
         self.times: dict[str, float] = {}
+        self.copies: dict[str, str] = {}  # name -> the name whose time it takes
 
     def start(self) -> Any:
         if self.cuda:
@@ -181,12 +184,32 @@ class _Timer:
         else:
             self.times[name] = (time.perf_counter() - begin) * 1e6
 
+    def same_as(self, name: str, timed: str) -> None:
+        self.copies[name] = timed
+
     def result(self) -> dict[str, float]:
         if self.cuda:
             torch.cuda.synchronize()
             for name, begin, end in self.pending:
                 self.times[name] = begin.elapsed_time(end) * 1e3
+        for name, timed in self.copies.items():
+            if timed in self.times:
+                self.times[name] = self.times[timed]
         return self.times
+
+
+def _region_call_key(n: fx.Node, hints: SizeHints) -> tuple | None:
+    """What a region call's time depends on: its body and its operands' kinds at `hints`."""
+    if n.target is not INVOKE_SUBGRAPH or not isinstance(n.args[0], fx.Node):
+        return None
+    kinds = []
+    for a in n.args[2:]:
+        v = val(a) if isinstance(a, fx.Node) else a
+        if isinstance(v, torch.Tensor):
+            kinds.append((v.dtype, tuple(concrete(d, hints) for d in v.shape)))
+        else:
+            kinds.append((type(v), v if isinstance(v, (int, float, bool)) else None))
+    return (n.args[0].target, *kinds)
 
 
 def _run_once(graph: fx.Graph, device: torch.device, hints: SizeHints) -> dict[str, float]:
@@ -212,16 +235,22 @@ def _run_once(graph: fx.Graph, device: torch.device, hints: SizeHints) -> dict[s
         return env[a]
 
     timer = _Timer(device)
+    timed_regions: dict[tuple, str] = {}  # a region call's key -> the call timed for it
     for i, n in enumerate(nodes):
         if n.op == "call_function":
-            args, kwargs = fx.node.map_arg((n.args, n.kwargs), value)
-            if n.target is OPS.allgather_param.default:
+            region = _region_call_key(n, hints)
+            if region in timed_regions:
+                # Another layer of a block already timed: its time, and outputs of the shapes.
+                env[n] = _real(val(n), device, hints)
+                timer.same_as(n.name, timed_regions[region])
+            elif n.target is OPS.allgather_param.default:
                 env[n] = _real(val(n), device, hints)
             elif n.target in _STUB_ALIAS:
-                env[n] = args[0]
+                env[n] = value(n.args[0])
             elif n.target in _STUB_NONE:
                 env[n] = None
             else:
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), value)
                 begin = timer.start()
                 try:
                     env[n] = n.target(*args, **kwargs)
@@ -229,6 +258,8 @@ def _run_once(graph: fx.Graph, device: torch.device, hints: SizeHints) -> dict[s
                     env[n] = _real(val(n), device, hints)  # keeps the analytic estimate
                 else:
                     timer.stop(n.name, begin)
+                    if region is not None:
+                        timed_regions[region] = n.name
         for a in n.all_input_nodes:
             if last_use.get(a) == i:
                 env.pop(a, None)

@@ -12,12 +12,18 @@ metadata, where a symbolic size is compared as written: the last layer's gradien
 64*s0*s1, from the head) and every other layer's (64*s1*(s0 - 1) + 64*s1, the same number) were
 two kinds, and the body's backward was traced and compiled twice. The key compares sizes by
 value.
+
+Inductor lowers an op it has no lowering for through an implicit fallback, registered the first
+time it meets the op, and that first meeting formats every argument for a log line whether or not
+the log is on: the whole IR of each input buffer, for an op such as `release_params` that takes a
+layer's worth of tensors. At 12 layers that was about a quarter of the outer graphs' lowering on
+the CPU. zrs registers the same fallback up front.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import sympy
@@ -26,6 +32,18 @@ from torch._guards import InvokeSubgraphCache
 from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
 from torch._higher_order_ops.utils import FunctionalizeCtxWrapper
 from torch._subclasses._fake_tensor_utils import _PySymInputStub
+
+
+def register_inductor_fallbacks(ops: Iterable[torch._ops.OpOverload]) -> None:
+    """Give each op the fallback inductor's implicit path would give it (the same layout
+    constraint), before inductor meets it."""
+    from torch._inductor.lowering import lowerings, make_fallback, tag_to_layout_constraint
+    from torch._library.utils import get_layout_constraint_tag
+
+    for op in ops:
+        if op not in lowerings:
+            tag = get_layout_constraint_tag(op, with_default=True)
+            make_fallback(op, layout_constraint=tag_to_layout_constraint(tag))
 
 
 def _operand_key(o: Any) -> tuple:

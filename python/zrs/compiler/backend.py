@@ -38,6 +38,10 @@ from zrs.compiler.recompute import reroute_aliased_outputs, tag_gathers_for_reco
 from zrs.compiler.record import Record, agree, record_key
 from zrs.compiler.regions import inline_regions, lift_region_gathers, resolve_gathers
 from zrs.compiler.torch_fixes import (
+    RECORDED_OUTPUTS,
+    VIEW_OF_FIRST_INPUT,
+    aot_graph_logs_only_when_read,
+    fallbacks_without_fake_reruns,
     region_backwards_keyed_by_value,
     region_schemas_built_once,
     register_inductor_fallbacks,
@@ -208,6 +212,7 @@ def make_backend(state: ZeroState, backend: str):
             ),
             region_schemas_built_once(),
             region_backwards_keyed_by_value(),
+            aot_graph_logs_only_when_read(),
         ):
             partitioner = ZeroPartitioner(record.run if record is not None else "")
             args = (gm, example_inputs, graph_id, check, lower, context, keeps, partitioner)
@@ -270,7 +275,14 @@ def _inductor(
             _CURRENT.reset(token)
 
     register_inductor_fallbacks(getattr(torch.ops.zrs, name).default for name in SCHEMAS)
-    with inductor_config.patch(custom_partitioner_fn=partitioner, **SAME_ON_EVERY_RANK):
+    recorded, views = (
+        [getattr(torch.ops.zrs, n).default for n in names]
+        for names in (RECORDED_OUTPUTS, VIEW_OF_FIRST_INPUT)
+    )
+    with (
+        inductor_config.patch(custom_partitioner_fn=partitioner, **SAME_ON_EVERY_RANK),
+        fallbacks_without_fake_reruns(recorded, views),
+    ):
         return compile_fx(gm, example_inputs, inner_compile=inner)
 
 

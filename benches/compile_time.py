@@ -15,6 +15,9 @@ kept whole under "record") is summarised into the phases below, in seconds, rank
   region_traces  of which: tracing the repeated blocks' bodies (invoke_subgraph)
   inductor       inductor's forward and backward compiles, less zrs's passes inside them
   codegen        of which: inductor's code generation (Triton kernels' compile follows it)
+  lowering       of which: inductor's lowering of the FX graphs to its IR (GraphLowering.run)
+  scheduling     of which: inductor's scheduler set-up, its fusion decisions included
+  triton         of which: waiting for the Triton kernels that its compile workers build
   zrs_passes     zero3 lowering, keep, buckets, coalesce (zrs's own, inside inductor)
   profile, plan  zrs's profile of the graph's ops and the Rust planner
   exchanges      zrs's compile-time rank meetings: the rank check, the budget, the timed sweep
@@ -62,6 +65,9 @@ def breakdown(record: dict) -> dict[str, float]:
         ),
         "inductor": max(0.0, inductor_total - zrs_inside),
         "codegen": _get(t, "GraphLowering.codegen"),
+        "lowering": _get(t, "GraphLowering.run"),
+        "scheduling": _get(t, "Scheduler.__init__"),
+        "triton": _get(t, "async_compile.wait"),
         "zrs_passes": _get(z, *PASSES),
         "profile": _get(z, "profile"),
         "plan": _get(z, "plan"),
@@ -142,8 +148,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
 
 
 COLUMNS = (
-    "first_step", "dynamo", "aot", "region_traces", "inductor", "codegen", "zrs_passes",
-    "profile", "plan", "exchanges",
+    "first_step", "dynamo", "aot", "region_traces", "inductor", "codegen", "lowering",
+    "scheduling", "triton", "zrs_passes", "profile", "plan", "exchanges",
 )  # fmt: skip
 
 
@@ -182,7 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.table is not None:
         rows = [json.loads(x) for x in args.table.read_text().splitlines() if x.strip()]
-        print(table(rows))
+        # The phases again from each kept record: a file written before a phase was added shows it.
+        print(table([r | breakdown(r["record"]) if "record" in r else r for r in rows]))
         return
     rows = measure(args)
     print(table(rows))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from compile_time import breakdown, compile_threads, table
+import json
+
+from compile_time import breakdown, compile_threads, main, table
 
 
 def _record() -> dict:
@@ -16,6 +18,9 @@ def _record() -> dict:
             "compile_fx.<locals>.fw_compiler_base": 6.0,
             "compile_fx.<locals>.bw_compiler": 5.0,
             "GraphLowering.codegen": 3.0,
+            "GraphLowering.run": 2.5,
+            "Scheduler.__init__": 0.75,
+            "async_compile.wait": 1.25,
         },
         "zrs_compile_s": dict(
             lower=0.5,
@@ -39,6 +44,7 @@ def test_inductor_excludes_zrs_passes_and_aot_excludes_inductor() -> None:
     assert b["region_traces"] == 2.0
     assert b["inductor"] == 7.5  # 11 - the passes, profile and plan (3.5) that ran inside it
     assert (b["zrs_passes"], b["profile"], b["plan"], b["exchanges"]) == (1.0, 2.0, 0.5, 1.0)
+    assert (b["codegen"], b["lowering"], b["scheduling"], b["triton"]) == (3.0, 2.5, 0.75, 1.25)
 
 
 def test_a_record_without_zrs_timers_is_torch_only() -> None:
@@ -61,3 +67,13 @@ def test_compile_threads_are_torchs_split_among_the_ranks_or_given() -> None:
     assert compile_threads("split", 2, 32) == "16"
     assert compile_threads("split", 64, 32) == "1"
     assert compile_threads("4", 2, 32) == "4"
+
+
+def test_a_file_from_before_a_phase_shows_it_from_its_kept_record(tmp_path, capsys) -> None:
+    row = {"system": "zrs", "preset": "1b", "world": 1, "cache": "cold", "first_step": 30.0}
+    old = tmp_path / "old.jsonl"
+    old.write_text(json.dumps(row | {"record": _record()}) + "\n")
+    main(["--table", str(old)])
+    head, _, cells = capsys.readouterr().out.splitlines()
+    values = dict(zip(head.split(" | "), cells.split(" | "), strict=True))
+    assert values["lowering"] == "2.5" and values["triton"] == "1.2"

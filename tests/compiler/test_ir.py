@@ -258,3 +258,26 @@ def test_profile_runs_constants_and_symbolic_sizes(monkeypatch, backend):
     symbolic = [h for _, h in timed if h]
     assert symbolic and all(v in (9, 13) for h in symbolic for v in h.values()), timed
     assert profile.concrete(5, {}) == 5
+
+
+def test_a_region_call_is_keyed_by_its_operands_sizes_at_the_hints():
+    """The profile times a repeated block once per kind of operands: a size operand counts by
+    its value, so calls with different sizes are timed apart."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from zrs.compiler.profile import _region_call_key
+
+    env = ShapeEnv()
+    short, long = (env.create_unbacked_symint() for _ in range(2))
+    hints = {short.node.expr: 4, long.node.expr: 8}
+    g = fx.Graph()
+    body = g.get_attr("body")
+    calls = []
+    for size in (short, long, short):
+        n = g.placeholder(f"n{len(calls)}")
+        n.meta["val"] = size
+        x = g.placeholder(f"x{len(calls)}")
+        x.meta["val"] = torch.empty(2, 3)
+        calls.append(g.call_function(torch.ops.higher_order.invoke_subgraph, (body, "id", x, n)))
+    first, second, third = (_region_call_key(c, hints) for c in calls)
+    assert first == third != second

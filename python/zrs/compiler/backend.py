@@ -274,14 +274,13 @@ def _inductor(
         finally:
             _CURRENT.reset(token)
 
-    register_inductor_fallbacks(getattr(torch.ops.zrs, name).default for name in SCHEMAS)
-    recorded, views = (
-        [getattr(torch.ops.zrs, n).default for n in names]
-        for names in (RECORDED_OUTPUTS, VIEW_OF_FIRST_INPUT)
-    )
+    def ops(names):
+        return [getattr(torch.ops.zrs, name).default for name in names]
+
+    register_inductor_fallbacks(ops(SCHEMAS))
     with (
         inductor_config.patch(custom_partitioner_fn=partitioner, **SAME_ON_EVERY_RANK),
-        fallbacks_without_fake_reruns(recorded, views),
+        fallbacks_without_fake_reruns(ops(RECORDED_OUTPUTS), ops(VIEW_OF_FIRST_INPUT)),
     ):
         return compile_fx(gm, example_inputs, inner_compile=inner)
 

@@ -207,6 +207,8 @@ def _region_call_key(n: fx.Node, hints: SizeHints) -> tuple | None:
         v = val(a) if isinstance(a, fx.Node) else a
         if isinstance(v, torch.Tensor):
             kinds.append((v.dtype, tuple(concrete(d, hints) for d in v.shape)))
+        elif isinstance(v, torch.SymInt):
+            kinds.append((int, concrete(v, hints)))  # a size: its value at `hints`
         else:
             kinds.append((type(v), v if isinstance(v, (int, float, bool)) else None))
     return (n.args[0].target, *kinds)

@@ -215,6 +215,7 @@ def shard(
     max_live_numel: int | None = None,
     max_reuse_distance: int | None = None,
     persist_numel: int | None = None,
+    compile: bool | str = False,
 ) -> nn.Module:
     """Shard `model` across the process group, exactly as `zrs.compile` does, and train it
     eagerly: no torch.compile, so nothing to capture and no compile time, and batches of any
@@ -246,6 +247,14 @@ def shard(
             the largest unit's.
         persist_numel: parameters with fewer elements stay gathered across steps (they are
             gathered again only after an optimizer step). Default: 0 (none).
+        compile: True (inductor) or the name of a torch.compile backend: compile each unit's
+            forward on its own, as FSDP2's users compile each layer. Equal layers share one
+            compile, so the first step costs about one block's compile, not the whole model's
+            (docs/compile-time.md); the gathers, prefetches, releases and reduce-scatters stay
+            the eager path's, around the compiled forwards. `zrs.compile` plans them inside one
+            whole-model graph instead: a shorter step, a longer first one. Default: False
+            (eager). torch.compile on a unit's module by hand works too, with its hooks run
+            eagerly (a graph break at each).
 
     Returns the same model object, sharded in place.
     """
@@ -257,8 +266,10 @@ def shard(
         "persist_numel": persist_numel,
     }
     prepare.check_limits(limits)
+    compile_backend = prepare.check_compile(compile)
     settings = {
         "api": "shard",
+        "compile": compile_backend,
         "param_dtype": param_dtype,
         "reduce_dtype": reduce_dtype,
         "master_dtype": master_dtype,
@@ -273,7 +284,9 @@ def shard(
     prepare.shard_parameters(model, state, init_fn, regions=False)
     checkpointing.install_hooks(model)
     integrations.adopt_conventions(model)
-    prepare.install_units(model, state, layered=True, limits=limits)
+    prepare.install_units(
+        model, state, layered=True, limits=limits, compile_backend=compile_backend
+    )
     prepare.install_forward(model, model._call_impl)
     return model
 

@@ -120,7 +120,13 @@ def compiled_problems(per_rank: list[dict], spec: ZooModel, backend: str) -> lis
     for rank, r in enumerate(per_rank):
         for reason in unexpected_graph_breaks(spec, r["graph_breaks"]):
             problems.append(f"rank {rank}: unexpected graph break:\n{reason}")
-        if r["graphs"] != expected:
+        if backend.startswith("shard:"):  # a graph or more per compiled unit's forward
+            if bool(r["graphs"]) != bool(r["compiled_units"]):
+                problems.append(
+                    f"rank {rank}: zrs.shard(compile=...) compiled {r['graphs']} graph(s) for "
+                    f"{r['compiled_units']} units"
+                )
+        elif r["graphs"] != expected:
             problems.append(f"rank {rank}: dynamo compiled {r['graphs']} graph(s), not {expected}")
     return problems
 

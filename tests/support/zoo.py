@@ -421,7 +421,9 @@ class Case:
     """One zrs training run inside a group of workers."""
 
     model: str
-    backend: str  # zrs.compile's backend, or "shard": zrs.shard
+    # zrs.compile's backend; "shard": zrs.shard; "shard:B": zrs.shard(compile=B), each unit's
+    # forward compiled by torch.compile's backend B
+    backend: str
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     steps: int = STEPS
@@ -475,8 +477,15 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
     if case.scheduler is not None:
         kwargs["scheduler"] = case.scheduler
     with mock.patch.dict(os.environ, {"ZRS_COMM_STREAMS": "1"} if case.comm_streams else {}):
-        if case.backend == "shard":  # the eager path: zrs.shard, nothing compiled
+        if case.backend.startswith("shard"):  # the eager path: zrs.shard
             del kwargs["backend"]
+            _, _, unit_backend = case.backend.partition(":")
+            if unit_backend:
+                # Units' forwards share code objects across the zoo (nn.Linear.forward): a
+                # fresh dynamo cache per case keeps each case's compiles its own.
+                torch._dynamo.reset()
+                counters.clear()
+                kwargs["compile"] = unit_backend
             compiled = zrs.shard(model, **kwargs)
         else:
             compiled = zrs.compile(model, **kwargs)
@@ -527,6 +536,8 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
         "output_dtypes": sorted(set(output_dtypes), key=str),
         "graph_breaks": sorted(counters["graph_break"]),
         "graphs": graphs,
+        # zrs.shard(compile=...): the units whose forward it compiled (an instance attribute)
+        "compiled_units": sum("forward" in vars(m) for m in model.modules()),
         "optimizer_state_dtypes": sorted(state_dtypes),
         "state": {k: v.detach().cpu().clone() for k, v in state.items()},
     }

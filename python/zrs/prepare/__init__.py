@@ -10,6 +10,7 @@ from zrs.prepare.options import (
     Precision,
     check_choice,
     check_common,
+    check_compile,
     check_limits,
     check_memory_budget,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "agree_and_connect",
     "check_choice",
     "check_common",
+    "check_compile",
     "check_limits",
     "check_memory_budget",
     "install_forward",

@@ -70,6 +70,19 @@ def check_memory_budget(memory_budget: object) -> None:
         )
 
 
+def check_compile(compile: object) -> str | None:
+    """`zrs.shard`'s `compile` as a torch.compile backend name (None: eager)."""
+    if compile is True:
+        return "inductor"
+    if compile is False:
+        return None
+    if isinstance(compile, str) and compile:
+        return compile
+    raise ZrsError(
+        f"compile={compile!r}: pass True (inductor), False, or a torch.compile backend's name"
+    )
+
+
 def check_limits(limits: dict[str, object]) -> None:
     """Raise unless each of `zrs.shard`'s `limits` is a number of elements or None."""
     for name, value in limits.items():

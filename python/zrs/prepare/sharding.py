@@ -41,6 +41,16 @@ Subclasses = dict[tuple[type, frozenset[str], bool], type]
 
 def _gathered(name: str) -> property:
     def get(self: nn.Module) -> torch.Tensor:
+        leaves = self._zrs_leaves
+        if leaves is not None and torch.compiler.is_compiling():
+            # zrs.shard: a unit's forward compiled on its own (units.py) reads the eager path's
+            # leaf, which the unit's hook gathered, as a graph input; read first, so that no
+            # layer's own ds_id enters the guards and one compile serves every layer.
+            if name in leaves:
+                return leaves[name]
+            # Outside any unit's compiled forward nothing says the leaf is gathered: read it
+            # eagerly (below), after a graph break.
+            torch._dynamo.graph_break()
         ds_id, shape, dtype = self._zrs_params[name]
         if not torch.compiler.is_compiling():
             fetcher = self._zrs_fetcher
@@ -78,6 +88,7 @@ def _install_properties(
     if key not in classes:
         attrs: dict[str, Any] = {n: _gathered(n) for n in names}
         attrs["_zrs_base_class"] = base
+        attrs["_zrs_leaves"] = None  # zrs.compile; zrs.shard sets a dict per module (units.py)
         attrs["_zrs_block"] = block
         attrs["register_parameter"] = _guarded_register(base)
         if block:

@@ -66,37 +66,65 @@ def _ancestors(model: nn.Module, name: str) -> list[nn.Module]:
 
 
 def install_units(
-    model: nn.Module, state: ZeroState, layered: bool, limits: dict[str, Any]
+    model: nn.Module,
+    state: ZeroState,
+    layered: bool,
+    limits: dict[str, Any],
+    compile_backend: str | None = None,
 ) -> None:
     """Give `state` its eager path and hook its units (all but the root, which the model's
-    forward drives: `forward.py`)."""
+    forward drives: `forward.py`). `compile_backend`: torch.compile each unit's forward with it
+    (zrs.shard's `compile`)."""
     units = find_units(model, layered)
     fetcher = Fetcher(state, [u for _, u in units], **limits)
     state.fetcher = fetcher
     for module in model.modules():
         if getattr(module, "_zrs_params", None):
             module._zrs_fetcher = fetcher  # the gather property reads it
+            if layered:
+                module._zrs_leaves = {}  # the root's own: read eagerly
     for index, (module, unit) in enumerate(units):
         if index == ROOT:
             continue
+        _share_leaves(module, fetcher)
         frozen = any(not h.param.requires_grad for h in unit.handles)
         module.register_forward_pre_hook(_pre(fetcher, index, frozen), with_kwargs=True)
         module.register_forward_hook(_post(fetcher, index))
+        if compile_backend is not None:
+            # The forward alone: the hooks stay outside the graph, so the gathers, prefetches and
+            # releases stay the coordinator's. Equal layers share their code object, hence one
+            # compile for a stack (dynamo's cache is per code object).
+            module.forward = torch.compile(module.forward, backend=compile_backend)
+
+
+def _share_leaves(unit_module: nn.Module, fetcher: Fetcher) -> None:
+    """Give every sharded module of a unit its parameters' leaves, which a compiled forward
+    reads as graph inputs (the gather property): the unit's hook gathered them all before."""
+    for module in unit_module.modules():
+        params = getattr(module, "_zrs_params", None)
+        if params:
+            module._zrs_leaves = {
+                name: fetcher.leaves[fetcher.slot_of[ds_id]]
+                for name, (ds_id, _, _) in params.items()
+            }
 
 
 def _pre(fetcher: Fetcher, unit: int, frozen: bool):
     def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-        if not torch.compiler.is_compiling():
-            fetcher.enter(unit)
-            if frozen:
-                fetcher.after_backward(unit, (args, kwargs))
+        if torch.compiler.is_compiling():
+            # torch.compile on a unit's module by hand traces its hooks: run them eagerly.
+            torch._dynamo.graph_break()
+        fetcher.enter(unit)
+        if frozen:
+            fetcher.after_backward(unit, (args, kwargs))
 
     return hook
 
 
 def _post(fetcher: Fetcher, unit: int):
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.compiler.is_compiling():
-            fetcher.exit(unit, output)
+        if torch.compiler.is_compiling():
+            torch._dynamo.graph_break()
+        fetcher.exit(unit, output)
 
     return hook

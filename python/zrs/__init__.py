@@ -247,11 +247,12 @@ def shard(
             the largest unit's.
         persist_numel: parameters with fewer elements stay gathered across steps (they are
             gathered again only after an optimizer step). Default: 0 (none).
-        compile: True (inductor) or the name of a torch.compile backend: compile each unit's
-            forward on its own, as FSDP2's users compile each layer. Equal layers share one
+        compile: True (inductor) or the name of a torch.compile backend: compile the forward
+            of each layer of a stack of repeated blocks (a transformer's layers) on its own, as
+            FSDP2's users do; the rest of the model runs eagerly. Equal layers share one
             compile, so the first step costs about one block's compile, not the whole model's
-            (docs/compile-time.md); the gathers, prefetches, releases and reduce-scatters stay
-            the eager path's, around the compiled forwards. `zrs.compile` plans them inside one
+            (docs/compile-time.md). The gathers, prefetches, releases and reduce-scatters stay
+            the eager path's, around the compiled forwards; `zrs.compile` plans them inside one
             whole-model graph instead: a shorter step, a longer first one. Default: False
             (eager). torch.compile on a unit's module by hand works too, with its hooks run
             eagerly (a graph break at each).

@@ -47,6 +47,11 @@ FP32 = [
     for backend in ("eager", "inductor", "shard")
     for world in (1, 2, 3)
     for model in MODELS
+] + [
+    # zrs.shard with each unit's forward compiled (tests/e2e/test_correctness.py runs the own
+    # zoo on it at every world size)
+    pytest.param("shard:aot_eager", 2, model, id=f"shard:aot_eager-w2-{model}")
+    for model in MODELS
 ]
 # bf16 on the eager backend only: inductor's bf16 path is the own zoo's (test_mixed_precision),
 # and an inductor group of these models costs ~7 minutes of CI.
@@ -90,7 +95,7 @@ def test_hf_model_matches_reference(backend: str, world: int, model: str) -> Non
         per_rank, HF_ZOO[model], ref, rtol=RTOL, atol=ATOL, loss_rtol=LOSS_RTOL, loss_atol=LOSS_ATOL
     )
     if model.endswith("_varlen"):
-        problems += varlen_graph_problems(per_rank)
+        problems += varlen_graph_problems(per_rank, backend)
     _fail(model, world, backend, "", problems)
     for rank, r in enumerate(per_rank):
         reemit_warnings(r["warnings"], where=f"rank {rank}, {model}")

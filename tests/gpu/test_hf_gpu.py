@@ -30,9 +30,16 @@ RTOL, ATOL = 1e-3, 1e-4
 LOSS_RTOL, LOSS_ATOL = 1e-4, 1e-5
 
 
-@pytest.mark.parametrize("model", group.HF_MODELS)
-def test_hf_model_on_gpus_matches_reference(model: str) -> None:
-    key = group.case(model, group.HF_BACKEND).key
+HF = [pytest.param(group.HF_BACKEND, m, id=m) for m in group.HF_MODELS] + [
+    pytest.param(group.COMPILED_UNITS, m, id=f"{group.COMPILED_UNITS}-{m}")
+    for m in group.COMPILED_UNITS_MODELS
+    if m in HF_ZOO
+]
+
+
+@pytest.mark.parametrize(("backend", "model"), HF)
+def test_hf_model_on_gpus_matches_reference(backend: str, model: str) -> None:
+    key = group.case(model, backend).key
     per_rank = group.outcome(key)
     problems = fp32_problems(
         per_rank,
@@ -44,5 +51,5 @@ def test_hf_model_on_gpus_matches_reference(model: str) -> None:
         loss_atol=LOSS_ATOL,
     )
     if model.endswith("_varlen"):
-        problems += varlen_graph_problems(per_rank)
+        problems += varlen_graph_problems(per_rank, backend)
     group.check(per_rank, problems, key)

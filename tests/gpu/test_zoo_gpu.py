@@ -40,14 +40,22 @@ pytestmark = [
 RTOL, ATOL = 1e-4, 1e-5
 LOSS_RTOL, LOSS_ATOL = 1e-4, 1e-5
 
-FP32 = [
-    pytest.param(backend, model, False, id=f"{backend}-{model}")
-    for backend in group.FP32_BACKENDS
-    for model in ZOO
-] + [
-    pytest.param(backend, model, True, id=f"{backend}-{model}-side-streams")
-    for backend, model in group.SIDE_STREAMS
-]
+FP32 = (
+    [
+        pytest.param(backend, model, False, id=f"{backend}-{model}")
+        for backend in group.FP32_BACKENDS
+        for model in ZOO
+    ]
+    + [
+        pytest.param(backend, model, True, id=f"{backend}-{model}-side-streams")
+        for backend, model in group.SIDE_STREAMS
+    ]
+    + [
+        pytest.param(group.COMPILED_UNITS, model, False, id=f"{group.COMPILED_UNITS}-{model}")
+        for model in group.COMPILED_UNITS_MODELS
+        if model in ZOO
+    ]
+)
 
 
 @pytest.mark.parametrize(("backend", "model", "side_streams"), FP32)

@@ -131,11 +131,16 @@ def compiled_problems(per_rank: list[dict], spec: ZooModel, backend: str) -> lis
     return problems
 
 
-def varlen_graph_problems(per_rank: list[dict]) -> list[str]:
-    """A variable-length run compiled a few graphs, not one per length."""
+def varlen_graph_problems(per_rank: list[dict], backend: str) -> list[str]:
+    """A variable-length run compiled a few graphs, not one per length (zrs.shard's compiled
+    units: each a static graph, then at most a symbolic one)."""
     graphs = [r["graphs"] for r in per_rank]
-    if max(graphs) > MAX_VARLEN_GRAPHS:
-        return [f"compiled {graphs} graphs per rank for variable lengths"]
+    if backend.startswith("shard:"):
+        bound = 2 * max(r["compiled_units"] for r in per_rank)
+    else:
+        bound = MAX_VARLEN_GRAPHS
+    if max(graphs) > bound:
+        return [f"compiled {graphs} graphs per rank for variable lengths (at most {bound})"]
     return []
 
 

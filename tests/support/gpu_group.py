@@ -68,6 +68,10 @@ SIDE_STREAMS = (
     ("shard", "bias_stack"),
 )
 HF_MODELS, HF_BACKEND = ("hf_gpt2", "hf_llama_varlen"), "inductor"
+# zrs.shard with each unit's forward compiled by inductor (Triton): a tied head, a frozen layer,
+# a stack of layers, and a Llama whose ranks recompile for their own lengths, each alone.
+COMPILED_UNITS = "shard:inductor"
+COMPILED_UNITS_MODELS = ("gpt_tied", "frozen", "bias_stack", "hf_llama_varlen")
 BF16_MODELS, BF16_BACKEND = ("mlp",), "inductor"
 # bf16 masters: a model whose inputs are token ids (a bf16 model takes no fp32 batch; the zoo's
 # float-input models would need param_dtype= to cast them), the dearest case of the group.
@@ -110,7 +114,8 @@ def case(model: str, backend: str, **kw: Any) -> Case:
 def fp32_cases() -> list[Case]:
     zoo = [case(m, b) for b in FP32_BACKENDS for m in ZOO]
     streams = [case(m, b, comm_streams=True) for b, m in SIDE_STREAMS]
-    return zoo + streams + [case(m, HF_BACKEND) for m in HF_MODELS]
+    units = [case(m, COMPILED_UNITS) for m in COMPILED_UNITS_MODELS]
+    return zoo + streams + [case(m, HF_BACKEND) for m in HF_MODELS] + units
 
 
 def bf16_case(model: str) -> Case:

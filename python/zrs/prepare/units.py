@@ -73,9 +73,10 @@ def install_units(
     compile_backend: str | None = None,
 ) -> None:
     """Give `state` its eager path and hook its units (all but the root, which the model's
-    forward drives: `forward.py`). `compile_backend`: torch.compile each unit's forward with it
-    (zrs.shard's `compile`)."""
+    forward drives: `forward.py`). `compile_backend`: torch.compile each layer of a stack with
+    it (zrs.shard's `compile`)."""
     units = find_units(model, layered)
+    blocks = repeated_blocks(model) if compile_backend is not None else set()
     fetcher = Fetcher(state, [u for _, u in units], **limits)
     state.fetcher = fetcher
     for module in model.modules():
@@ -90,11 +91,30 @@ def install_units(
         frozen = any(not h.param.requires_grad for h in unit.handles)
         module.register_forward_pre_hook(_pre(fetcher, index, frozen), with_kwargs=True)
         module.register_forward_hook(_post(fetcher, index))
-        if compile_backend is not None:
-            # The forward alone: the hooks stay outside the graph, so the gathers, prefetches and
-            # releases stay the coordinator's. Equal layers share their code object, hence one
-            # compile for a stack (dynamo's cache is per code object).
-            module.forward = torch.compile(module.forward, backend=compile_backend)
+        if id(module) in blocks:
+            module.forward = _compiled_forward(module, fetcher, unit, compile_backend)
+
+
+def _compiled_forward(module: nn.Module, fetcher: Fetcher, unit: Unit, backend: str | None):
+    """A layer's forward compiled on its own, run when the layer's hook gathered its
+    parameters: the hooks stay outside the graph, so the gathers, prefetches and releases stay
+    the coordinator's. Equal layers share their forward's code object, hence dynamo's cache
+    entry: one compile for a stack. Only the layers of stacks: a lone module compiled alone
+    fuses nothing, and torch.nn's own modules would share one cache entry's code (dynamo wraps
+    them alike) up to its recompile limit."""
+    compiled = torch.compile(module.forward, backend=backend)
+    eager = module.forward
+    slots = [fetcher.slot_of[h.ds_id] for h in unit.handles]
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not (fetcher.entered and fetcher.entered[-1]):
+            # Called outside the model's forward and backward (generate() runs the encoder
+            # alone): the leaves are gathered as module code reads them, eagerly.
+            return eager(*args, **kwargs)
+        fetcher.gather_now(slots)  # a no-op after the hook; a direct call of .forward() gathers
+        return compiled(*args, **kwargs)
+
+    return forward
 
 
 def _share_leaves(unit_module: nn.Module, fetcher: Fetcher) -> None:

@@ -155,6 +155,12 @@ class Fetcher:
             self._run(self.coordinator.fetch(slot))
         return self.leaves[slot]
 
+    def gather_now(self, slots: list[int]) -> None:
+        """Gather those of `slots` that are not ready (a compiled forward reads them all)."""
+        for slot in slots:
+            if not self.ready[slot]:
+                self._run(self.coordinator.fetch(slot))
+
     def grad_ready(self, slot: int) -> None:
         """Autograd summed the leaf's gradient over every use: reduce it, release the leaf."""
         leaf = self.leaves[slot]

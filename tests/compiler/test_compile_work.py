@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_regions import Block
 from torch import nn
-from torch._dynamo.utils import compilation_time_metrics
+from torch._dynamo.utils import compilation_time_metrics, counters
 from torch._inductor import config as inductor_config
 from torch._inductor.graph import GraphLowering
 
@@ -119,3 +119,35 @@ def test_a_compile_says_what_it_is_compiling(backend: str, caplog) -> None:
     for what in ("forward graph 0", "backward graph 0", "graph 0"):
         started = [m for m in said if m.startswith(f"zrs: {what}: ") and "done in" not in m]
         assert started and f"zrs: {what}: done in" in " ".join(said), (what, said)
+
+
+def _layers_work(layers: int) -> tuple[int, list[int]]:
+    """zrs.shard(compile="inductor"): the graphs dynamo captured and the FX nodes of each graph
+    inductor lowered, for one training step."""
+    lowered: list[int] = []
+    run = GraphLowering.run
+
+    def counting_run(self, *args):
+        lowered.append(len(self.module.graph.nodes))
+        return run(self, *args)
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    with pytest.MonkeyPatch.context() as mp, inductor_config.patch(fx_graph_cache=False):
+        mp.setattr(GraphLowering, "run", counting_run)
+        try:
+            model = zrs.shard(Decoder(layers), compile="inductor")
+            model(torch.randint(0, VOCAB, (2, 8))).sum().backward()
+        finally:
+            runtime.reset()
+    return counters["stats"]["unique_graphs"], lowered
+
+
+@pytest.mark.slow
+def test_compiled_layers_of_zrs_shard_compile_once_at_any_depth() -> None:
+    """zrs.shard's compiled layers: one graph for the stack (a forward and a backward lowered),
+    of the same size at 4 and at 32 layers; the embedding and head run eagerly."""
+    few, many = _layers_work(4), _layers_work(32)
+    assert few[0] == many[0] == 1, (few, many)
+    assert len(few[1]) == 2 and few[1] == many[1], (few, many)

@@ -120,7 +120,7 @@ def compiled_problems(per_rank: list[dict], spec: ZooModel, backend: str) -> lis
     for rank, r in enumerate(per_rank):
         for reason in unexpected_graph_breaks(spec, r["graph_breaks"]):
             problems.append(f"rank {rank}: unexpected graph break:\n{reason}")
-        if backend.startswith("shard:"):  # a graph or more per compiled unit's forward
+        if ":" in backend:  # zrs.shard's compiled layers: a graph or more, if any layer
             if bool(r["graphs"]) != bool(r["compiled_units"]):
                 problems.append(
                     f"rank {rank}: zrs.shard(compile=...) compiled {r['graphs']} graph(s) for "
@@ -135,10 +135,8 @@ def varlen_graph_problems(per_rank: list[dict], backend: str) -> list[str]:
     """A variable-length run compiled a few graphs, not one per length (zrs.shard's compiled
     units: each a static graph, then at most a symbolic one)."""
     graphs = [r["graphs"] for r in per_rank]
-    if backend.startswith("shard:"):
-        bound = 2 * max(r["compiled_units"] for r in per_rank)
-    else:
-        bound = MAX_VARLEN_GRAPHS
+    units = max(r["compiled_units"] for r in per_rank)
+    bound = 2 * units if ":" in backend else MAX_VARLEN_GRAPHS
     if max(graphs) > bound:
         return [f"compiled {graphs} graphs per rank for variable lengths (at most {bound})"]
     return []

@@ -421,8 +421,9 @@ class Case:
     """One zrs training run inside a group of workers."""
 
     model: str
-    # zrs.compile's backend; "shard": zrs.shard; "shard:B": zrs.shard(compile=B), each unit's
-    # forward compiled by torch.compile's backend B
+    # zrs.compile's backend; "shard": zrs.shard; "shard:B": zrs.shard(compile=B), each layer of
+    # a stack compiled by torch.compile's backend B; "hand:B": zrs.shard, then each layer's
+    # .compile(backend=B) by hand
     backend: str
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
@@ -477,16 +478,20 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
     if case.scheduler is not None:
         kwargs["scheduler"] = case.scheduler
     with mock.patch.dict(os.environ, {"ZRS_COMM_STREAMS": "1"} if case.comm_streams else {}):
-        if case.backend.startswith("shard"):  # the eager path: zrs.shard
+        api, _, unit_backend = case.backend.partition(":")
+        if api in ("shard", "hand"):  # the eager path: zrs.shard
             del kwargs["backend"]
-            _, _, unit_backend = case.backend.partition(":")
             if unit_backend:
-                # Units' forwards share code objects across the zoo (nn.Linear.forward): a
-                # fresh dynamo cache per case keeps each case's compiles its own.
+                # Layers' forwards share code objects across the zoo's models: a fresh dynamo
+                # cache per case keeps each case's compiles its own.
                 torch._dynamo.reset()
                 counters.clear()
+            if api == "shard" and unit_backend:
                 kwargs["compile"] = unit_backend
             compiled = zrs.shard(model, **kwargs)
+            if api == "hand":
+                for layer in _stacked_layers(model):
+                    layer.compile(backend=unit_backend)
         else:
             compiled = zrs.compile(model, **kwargs)
     local = [
@@ -536,11 +541,19 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
         "output_dtypes": sorted(set(output_dtypes), key=str),
         "graph_breaks": sorted(counters["graph_break"]),
         "graphs": graphs,
-        # zrs.shard(compile=...): the units whose forward it compiled (an instance attribute)
-        "compiled_units": sum("forward" in vars(m) for m in model.modules()),
+        # the layers compiled: by zrs.shard(compile=...) (an instance attribute) or by hand
+        "compiled_units": sum(
+            "forward" in vars(m) or m._compiled_call_impl is not None
+            for m in list(model.modules())[1:]  # the root's is zrs's guarded forward
+        ),
         "optimizer_state_dtypes": sorted(state_dtypes),
         "state": {k: v.detach().cpu().clone() for k, v in state.items()},
     }
+
+
+def _stacked_layers(model: nn.Module) -> list[nn.Module]:
+    """The children of every nn.ModuleList in `model` (the zoo's stacks of layers)."""
+    return [c for m in model.modules() if isinstance(m, nn.ModuleList) for c in m.children()]
 
 
 def run_isolated(call: Callable[[], dict], label: str) -> dict:

@@ -34,6 +34,9 @@ Systems:
                    (zrs.CapturedStep; one rank)
   zrs_eager        zrs.shard(model, param_dtype=bf16, reduce_dtype=fp32): the same sharding, no
                    torch.compile (module hooks gather, prefetch and release); --zrs-* don't apply
+  zrs_shard_compile
+                   the same with each layer's forward compiled by inductor, zrs.shard(model,
+                   compile=True): FSDP2 + compile's split of the work
   fsdp2_eager      fully_shard per block and on the root, MixedPrecisionPolicy(bf16, fp32)
   fsdp2_compile    the same with each block torch.compile'd (fullgraph), as torchtitan does
   single           one GPU (rank 0 only), unsharded bf16 parameters, whole model compiled: the

@@ -1,6 +1,7 @@
 """The zrs systems: zrs (zrs.compile), zrs_graphed (its AdamW step one CUDA graph, zrs.GraphedStep),
-zrs_captured (the whole step one CUDA graph, zrs.CapturedStep) and zrs_eager (zrs.shard, no
-torch.compile); their builder, their piece of the registry, and the compiled ones' record fields."""
+zrs_captured (the whole step one CUDA graph, zrs.CapturedStep), zrs_eager (zrs.shard, no
+torch.compile) and zrs_shard_compile (zrs.shard with each layer compiled); their builder, their
+piece of the registry, and the zrs.compile ones' record fields."""
 
 from __future__ import annotations
 
@@ -12,9 +13,15 @@ import torch
 from systems.common import DTYPES, Built, Ctx, adamw, plain_step
 
 
-def build_zrs(ctx: Ctx, compiled: bool, graphed: bool = False, captured: bool = False) -> Built:
+def build_zrs(
+    ctx: Ctx,
+    compiled: bool,
+    graphed: bool = False,
+    captured: bool = False,
+    compiled_layers: bool = False,
+) -> Built:
     """zrs.compile (the --zrs-* options are its), or zrs.shard: the same sharding, trained
-    eagerly by module hooks. `graphed`: the optimizer step replayed as a CUDA graph
+    eagerly by module hooks (`compiled_layers`: each layer's forward compiled by inductor). `graphed`: the optimizer step replayed as a CUDA graph
     (zrs.GraphedStep, without clipping or the non-finite check, as the other systems step).
     `captured`: also the forward and backward, the whole step one graph (zrs.CapturedStep)."""
     import zrs
@@ -39,7 +46,7 @@ def build_zrs(ctx: Ctx, compiled: bool, graphed: bool = False, captured: bool = 
             dynamic=True if ctx.args.zrs_dynamic else None,
         )
     else:
-        model = zrs.shard(model, **common)
+        model = zrs.shard(model, **common, compile=compiled_layers)
     graphed = graphed or captured
     opt = adamw(model.parameters(), ctx, fused=True if graphed else None)
     stepper = zrs.GraphedStep(opt, check_finite=False) if graphed else None
@@ -68,6 +75,7 @@ BUILDERS: dict[str, Callable[[Ctx], Built]] = {
     "zrs_graphed": lambda ctx: build_zrs(ctx, compiled=True, graphed=True),
     "zrs_captured": lambda ctx: build_zrs(ctx, compiled=True, captured=True),
     "zrs_eager": lambda ctx: build_zrs(ctx, compiled=False),
+    "zrs_shard_compile": lambda ctx: build_zrs(ctx, compiled=False, compiled_layers=True),
 }
 COMPILED = ("zrs", "zrs_graphed", "zrs_captured")  # the zrs.compile ones: record_fields
 

@@ -11,6 +11,7 @@ import logging
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 
 import zrs
 from zoo import LR, MOMENTUM, spec_of
@@ -164,11 +165,16 @@ def test_a_backward_that_raised_leaves_no_gradient_behind():
     _assert_same(plain, model)
 
 
-def test_activation_checkpointing_and_accumulation_match_the_plain_model():
+@pytest.mark.parametrize("compile", [False, "aot_eager"], ids=["eager", "compiled-layers"])
+def test_activation_checkpointing_and_accumulation_match_the_plain_model(compile):
+    """Also with each layer compiled: the checkpoint's recompute runs the compiled forward
+    again inside the backward, between the layer's hooks."""
     spec = spec_of("hf_gpt2")
     torch.manual_seed(0)
+    torch._dynamo.reset()
+    counters.clear()
     plain = spec.build()
-    model = zrs.shard(copy.deepcopy(plain))
+    model = zrs.shard(copy.deepcopy(plain), compile=compile)
     for m in (plain, model):
         # transformers renamed gradient_checkpointing_enable (which now warns) in 5.x
         enable = getattr(m, "activation_checkpointing_enable", None)
@@ -185,6 +191,8 @@ def test_activation_checkpointing_and_accumulation_match_the_plain_model():
             opt.step()
     _assert_same(plain, model)
     assert not any(model._zrs_state.fetcher.ready)
+    if compile:
+        assert counters["stats"]["unique_graphs"] >= 1, "no layer was compiled"
 
 
 def test_persistent_parameters_stay_gathered_until_the_optimizer_step():

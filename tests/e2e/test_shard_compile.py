@@ -1,9 +1,10 @@
-"""zrs.shard(compile=...) with inductor, and torch.compile on a zrs.shard model's layers by hand,
-train as the unsharded model does at two ranks (gloo). The own zoo and the Hugging Face zoo run
-with compiled layers on AOTAutograd's backend at every world size (test_correctness.py,
-test_hf_models.py); these cases add inductor's generated code, which reads the layers' gathered
-parameters as graph inputs whose storage the eager path frees and refills between the forward
-and the backward, and the hooks that a compile by hand traces (run eagerly, after a graph break).
+"""zrs.shard(compile=...) trains as the unsharded model does (gloo ranks, SGD with momentum): the
+tied GPT of the own zoo, the only one with a stack of layers, at world sizes 1, 2 and 3 on
+AOTAutograd's backend, and at two ranks with inductor, beside the Hugging Face Llama and layers
+compiled by hand (`layer.compile()`, whose hooks break the graph and run eagerly). Inductor's
+generated code reads the layers' gathered parameters as graph inputs whose storage the eager
+path frees and refills between the forward and the backward. test_hf_models.py runs three
+Hugging Face models with compiled layers at two ranks; the GPU suite runs four cases on NCCL.
 """
 
 from __future__ import annotations
@@ -18,36 +19,42 @@ from zoo import Case, Reference, case_outcome, run_cases, spec_of, train_referen
 
 pytestmark = pytest.mark.slow
 
-WORLD = 2
-CASES = (
-    ("shard:inductor", "gpt_tied"),  # a tied embedding and head around the stack
-    ("shard:inductor", "hf_llama"),
-    ("hand:aot_eager", "gpt_tied"),
-)
+# world -> (backend, model) cases, one group of ranks per world
+CASES = {
+    1: (("shard:aot_eager", "gpt_tied"),),
+    2: (
+        ("shard:inductor", "gpt_tied"),  # a tied embedding and head around the stack
+        ("shard:inductor", "hf_llama"),
+        ("hand:aot_eager", "gpt_tied"),
+    ),
+    3: (("shard:aot_eager", "gpt_tied"),),
+}
+PARAMS = [
+    pytest.param(world, backend, model, id=f"w{world}-{backend}-{model}")
+    for world, cases in CASES.items()
+    for backend, model in cases
+]
 # fp32: test_correctness.py's bounds, and test_hf_models.py's for the deeper HF models
 TOLERANCES = {"gpt_tied": (1e-5, 1e-6), "hf_llama": (1e-4, 1e-5)}
 LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-6
 
 
-def _cases() -> list[Case]:
-    return [Case(model, backend) for backend, model in CASES]
-
-
 @functools.cache
-def _reference(model: str) -> Reference:
-    return train_reference(spec_of(model), WORLD)
+def _reference(model: str, world: int) -> Reference:
+    return train_reference(spec_of(model), world)
 
 
-@pytest.mark.parametrize(("backend", "model"), CASES, ids=[f"{b}-{m}" for b, m in CASES])
-def test_compiled_layers_match_reference(backend: str, model: str) -> None:
-    group = cached_run(("shard-compile", WORLD), run_cases, WORLD, _cases())
+@pytest.mark.parametrize(("world", "backend", "model"), PARAMS)
+def test_compiled_layers_match_reference(world: int, backend: str, model: str) -> None:
+    cases = [Case(m, b) for b, m in CASES[world]]
+    group = cached_run(("shard-compile", world), run_cases, world, cases)
     per_rank = case_outcome(group, Case(model, backend).key)
     spec = spec_of(model)
     rtol, atol = TOLERANCES[model]
     problems = fp32_problems(
         per_rank,
         spec,
-        _reference(model),
+        _reference(model, world),
         rtol=rtol,
         atol=atol,
         loss_rtol=LOSS_RTOL,

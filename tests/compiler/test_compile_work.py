@@ -151,3 +151,19 @@ def test_compiled_layers_of_zrs_shard_compile_once_at_any_depth() -> None:
     few, many = _layers_work(4), _layers_work(32)
     assert few[0] == many[0] == 1, (few, many)
     assert len(few[1]) == 2 and few[1] == many[1], (few, many)
+
+
+def test_compiling_a_model_without_a_stack_says_so(caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="zrs"):
+        try:
+            zrs.shard(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), compile=True)
+        finally:
+            runtime.reset()
+    said = [r.getMessage() for r in caplog.records if r.name == "zrs"]
+    assert any("no stack of repeated layers" in m for m in said), said
+
+
+@pytest.mark.parametrize("value", [3, "", None])
+def test_compile_must_be_a_flag_or_a_backend_name(value) -> None:
+    with pytest.raises(zrs.ZrsError, match="compile="):
+        zrs.shard(nn.Linear(4, 2), compile=value)

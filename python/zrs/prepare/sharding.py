@@ -186,8 +186,9 @@ def _source_rank(state: ZeroState) -> int:
 
 def _shard_one(state: ZeroState, param: nn.Parameter, name: str) -> ParamHandle:
     full = param.detach().to(state.device)
-    if state.group is not None:
-        # Every rank starts from rank 0's weights, whatever each rank's RNG did.
+    if state.group is not None and state.world_size > 1:
+        # Every rank starts from rank 0's weights, whatever each rank's RNG did. (One rank: no
+        # collective, so that a job of one GPU never initialises NCCL for it.)
         full = full.contiguous()
         dist.broadcast(full, src=_source_rank(state), group=state.gather_group)
     slot = state.registry.register(

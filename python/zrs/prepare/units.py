@@ -15,6 +15,7 @@ they use, and a parameter that code outside the graphs reads is fetched on deman
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from zrs.runtime.handles import ParamHandle, handle
 from zrs.runtime.state import ZeroState
 
 ROOT = 0
+_log = logging.getLogger("zrs")
 
 
 def find_units(model: nn.Module, layered: bool) -> list[tuple[nn.Module, Unit]]:
@@ -77,6 +79,14 @@ def install_units(
     it (zrs.shard's `compile`)."""
     units = find_units(model, layered)
     blocks = repeated_blocks(model) if compile_backend is not None else set()
+    if compile_backend is not None and not blocks:
+        _log.warning(
+            "zrs.shard(compile=%r): %s has no stack of repeated layers (children of an "
+            "nn.ModuleList or nn.Sequential that share a class), so nothing is compiled and it "
+            "trains eagerly; torch.compile(module) on the parts to compile works too",
+            compile_backend,
+            type(model).__name__,
+        )
     fetcher = Fetcher(state, [u for _, u in units], **limits)
     state.fetcher = fetcher
     for module in model.modules():

@@ -1,4 +1,5 @@
-"""The main job saves checkpoints and resumes from one exactly (`python -m zrs.train`, 2 CPU ranks)."""
+"""The main job (`python -m zrs.train`, 2 CPU ranks) saves checkpoints and resumes from one exactly,
+and trains alike with its layers compiled on their own."""
 
 from __future__ import annotations
 
@@ -24,15 +25,33 @@ def _train(out: Path, *extra: str) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
-def test_resume_from_a_checkpoint_of_the_main_job_is_exact(tmp_path):
-    whole = _train(tmp_path / "whole", "--save-every", "2")
-    assert sorted(p.name for p in (tmp_path / "whole").glob("checkpoint-*")) == [
-        "checkpoint-2",
-        "checkpoint-4",
-    ]
-    resumed = _train(tmp_path / "resumed", "--resume", tmp_path / "whole" / "checkpoint-2")
-    assert resumed["losses"] == whole["losses"]
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory) -> tuple[Path, dict]:
+    """A run of 4 steps (zrs.compile) with checkpoints at steps 2 and 4: its folder, its summary."""
+    out = tmp_path_factory.mktemp("whole")
+    return out, _train(out, "--save-every", "2")
+
+
+def test_resume_from_a_checkpoint_of_the_main_job_is_exact(tmp_path, whole):
+    out, summary = whole
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    resumed = _train(tmp_path / "resumed", "--resume", out / "checkpoint-2")
+    assert resumed["losses"] == summary["losses"]
     assert resumed["resumed_from"].endswith("checkpoint-2")
-    a = torch.load(tmp_path / "whole" / "model.pt")
+    a = torch.load(out / "model.pt")
     b = torch.load(tmp_path / "resumed" / "model.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_main_job_with_compiled_layers_trains_as_with_zrs_compile(tmp_path, whole):
+    """`--compile layers` (zrs.shard, each layer compiled) computes what zrs.compile does: the
+    same losses (printed to 4 decimals) and weights to fp32 rounding."""
+    out, model = whole
+    layers = _train(tmp_path / "layers", "--compile", "layers")
+    assert layers["compile"] == "layers" and model["compile"] == "model"
+    assert layers["losses"] == pytest.approx(model["losses"], abs=2e-4)
+    a = torch.load(out / "model.pt")
+    b = torch.load(tmp_path / "layers" / "model.pt")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)

@@ -81,7 +81,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--backend",
         choices=["inductor", "eager"],
         default="inductor",
-        help="zrs.compile backend (default: %(default)s)",
+        help="zrs.compile backend, or torch.compile's for --compile layers (default: %(default)s)",
+    )
+    p.add_argument(
+        "--compile",
+        choices=["model", "layers"],
+        default="model",
+        help="model: zrs.compile, the whole step one planned graph (the shortest step); layers: "
+        "zrs.shard(compile=BACKEND), each layer compiled on its own (the shortest first step) "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--seed",
@@ -163,11 +171,15 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
         model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     torch.manual_seed(args.seed)
-    model = zrs.compile(model, backend=args.backend)
+    if args.compile == "layers":
+        model = zrs.shard(model, compile=args.backend)
+    else:
+        model = zrs.compile(model, backend=args.backend)
     log(
         f"zrs.train: GPT-{args.model_size} ({n_params / 1e6:.2f}M params, {cfg.n_layer} layers, "
         f"d_model {cfg.d_model}) sharded over {world} rank(s) on {device.type}, "
-        f"{dist.get_backend()}, backend={args.backend}; {args.batch_size} x {seq_len} tokens "
+        f"{dist.get_backend()}, compile={args.compile}, backend={args.backend}; "
+        f"{args.batch_size} x {seq_len} tokens "
         f"per rank per step"
     )
 
@@ -243,6 +255,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
         "n_params": n_params,
         "device": device.type,
         "backend": args.backend,
+        "compile": args.compile,
         "batch_size": args.batch_size,
         "seq_len": seq_len,
         "lr": args.lr,

@@ -298,6 +298,59 @@ def one_rank_raises(
     return {"errors": errors}
 
 
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.boom = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.boom:
+            raise Fault("injected in a compiled layer")
+        return torch.relu(self.lin(x))
+
+
+class _Stack(nn.Module):
+    """Three layers of a stack (zrs.shard(compile=...) compiles them) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer() for _ in range(3))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def one_rank_raises_in_a_compiled_layer(rank: int, world: int, timeout: float) -> dict[str, Any]:
+    """zrs.shard(compile="aot_eager"): at step 1 rank 1's middle layer raises inside its
+    compiled forward (recompiled on that rank alone for the flag); every rank goes on with the
+    next batch, as a skip-on-error loop does. Also returns the graphs the ranks compiled."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = zrs.shard(_Stack(), timeout=timeout, compile="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    xs = batches(rank, 4, "cpu")
+    name = "one_rank_compiled_layer"
+    errors: list[dict[str, Any]] = []
+    for step in range(4):
+        opt.zero_grad()
+        model.layers[1].boom = rank == 1 and step == 1
+        if model.layers[1].boom:
+            mark_fault(name)
+        try:
+            model(xs[step]).square().mean().backward()
+            opt.step()
+        except Exception as e:
+            errors.append(_record(name, e))
+    return {"errors": errors, "graphs": counters["stats"]["unique_graphs"]}
+
+
 # --- disagreements ------------------------------------------------------------------------------
 
 

@@ -490,7 +490,9 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
                 kwargs["compile"] = unit_backend
             compiled = zrs.shard(model, **kwargs)
             if api == "hand":
-                for layer in _stacked_layers(model):
+                from zrs.prepare.sharding import repeated_blocks
+
+                for layer in (m for m in model.modules() if id(m) in repeated_blocks(model)):
                     layer.compile(backend=unit_backend)
         else:
             compiled = zrs.compile(model, **kwargs)
@@ -549,11 +551,6 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
         "optimizer_state_dtypes": sorted(state_dtypes),
         "state": {k: v.detach().cpu().clone() for k, v in state.items()},
     }
-
-
-def _stacked_layers(model: nn.Module) -> list[nn.Module]:
-    """The children of every nn.ModuleList in `model` (the zoo's stacks of layers)."""
-    return [c for m in model.modules() if isinstance(m, nn.ModuleList) for c in m.children()]
 
 
 def run_isolated(call: Callable[[], dict], label: str) -> dict:

@@ -65,11 +65,19 @@ def _same(a: dict, b: dict) -> None:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
 
 
-def test_cold_then_warm_train_alike(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def cold_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """One cold run and its caches, for the tests that start from one (a cold compile is most
+    of each run's time)."""
+    here = tmp_path_factory.mktemp("warm_restart")
+    return here, _run(here)
+
+
+def test_cold_then_warm_train_alike(cold_run: tuple[Path, list[dict]], tmp_path: Path) -> None:
     """Warm on the same machine, and on another one from the cold run's saved artifacts."""
-    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
-    cold, warm = _run(here), _run(here)
-    moved = _run(elsewhere, artifacts=str(here), load=True)
+    here, cold = cold_run
+    warm = _run(here)
+    moved = _run(tmp_path / "elsewhere", artifacts=str(here), load=True)
     assert all(r["meetings"] == list(MEETINGS) for r in cold)
     assert all(r["aot_hits"] == 0 for r in cold)
     for r in warm + moved:
@@ -86,8 +94,10 @@ def test_artifacts_of_something_else_are_refused() -> None:
         zrs.load_cache_artifacts(b"\x00torch's own bytes")
 
 
-def test_a_changed_option_model_or_version_compiles_cold(tmp_path: Path) -> None:
-    _run(tmp_path)
+def test_a_changed_option_model_or_version_compiles_cold(
+    cold_run: tuple[Path, list[dict]],
+) -> None:
+    cache, _ = cold_run
     for changed in (
         {"reduce_dtype": torch.bfloat16},
         {"layers": 3},
@@ -95,7 +105,7 @@ def test_a_changed_option_model_or_version_compiles_cold(tmp_path: Path) -> None
         {"caches_off": True},  # inductor's cache off on one rank: every rank compiles cold
     ):
         layers = changed.pop("layers", 2)
-        again = _run(tmp_path, layers, **changed)
+        again = _run(cache, layers, **changed)
         assert all(r["meetings"] == list(MEETINGS) for r in again), changed
 
 

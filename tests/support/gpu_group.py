@@ -209,8 +209,10 @@ def _train_graphed(config: tuple[str, ...], graphs: bool, rank: int, device: str
         opt.zero_grad()
         batch = [t.to(dev) if isinstance(t, torch.Tensor) else t for t in spec.batch(rank, i)]
         spec.loss(model, batch).backward()
-        if i == POISONED:
-            p = next(model.parameters())
+        if i == POISONED and rank == 0:
+            # One rank's NaN must skip the step on every rank. Rank 0's shard, as the last
+            # rank's may be empty (at world 4 each Linear(9, 9) is cut 3, 3, 3, 0 rows).
+            p = next(p for p in model.parameters() if p.to_local().numel())
             p.grad.to_local().view(-1)[0] = float("nan")
         norms.append(step().clone())
         if sched is not None:

@@ -442,6 +442,9 @@ class Case:
     # The collectives on zrs's side streams (ZRS_COMM_STREAMS=1 while the model is sharded: each
     # model reads it once, when zrs.compile / zrs.shard builds its state; CUDA only).
     comm_streams: bool = False
+    # False: no generate() after training (the model's `generate`, if any, is checked by
+    # another case); the result's "generated" is then None.
+    generate: bool = True
 
     @property
     def key(self) -> str:
@@ -533,7 +536,7 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
         for v in s.values()
         if isinstance(v, Tensor) and v.dim()  # not a step count
     }
-    generated = spec.generate(model) if spec.generate is not None else None
+    generated = spec.generate(model) if case.generate and spec.generate is not None else None
     state = zrs.full_state_dict(model)
     return {
         "generated": generated,

@@ -135,7 +135,7 @@ def make_backend(state: ZeroState, backend: str):
         resolve_gathers(gm, example_inputs, lambda shard: state.ds_ids.get(id(shard)))
         graph_id = next(state.graph_ids)
         what = f"graph {graph_id}"
-        key = record_key(state, gm.graph)
+        key = record_key(state, gm.graph, backend)
         state.check_usable()
         with state.exchanging(f"the agreement on {what}'s compile record"):
             if state.peers is not None:  # every rank compiles this graph now, or all raise

@@ -51,13 +51,14 @@ def _example(n: fx.Node) -> str:
     return type(value).__name__
 
 
-def record_key(state: ZeroState, graph: fx.Graph) -> str:
+def record_key(state: ZeroState, graph: fx.Graph, backend: str) -> str:
     """What the compiled code depends on besides the caches' own keys: the graph with its inputs'
-    kinds, zrs's options, the world, the device and the versions."""
+    kinds, the backend (the record's timings are its code's) and zrs's options, the world, the
+    device (its model, not its index: every rank looks up one key) and the versions."""
     parts = [
         f"format {FORMAT}",
         f"zrs {zrs.__version__} torch {torch.__version__}",
-        f"world {state.world_size} device {state.device.type}",
+        f"world {state.world_size} device {state.device.type} backend {backend}",
         f"scheduler {state.scheduler} budget {state.memory_budget} profile {state.profile}",
         f"keep {state.keep_for_backward} dtypes {state.param_dtype} {state.master_dtype} "
         f"{state.reduce_dtype}",

@@ -180,7 +180,7 @@ def compile(
     forward = compile_forward(
         model, make_backend(state, backend), links.entry, dynamic, inputs_agree
     )
-    prepare.install_forward(model, forward)
+    prepare.install_forward(model, forward, "zrs.compile")
     return model
 
 
@@ -288,7 +288,7 @@ def shard(
     prepare.install_units(
         model, state, layered=True, limits=limits, compile_backend=compile_backend
     )
-    prepare.install_forward(model, model._call_impl)
+    prepare.install_forward(model, model._call_impl, "zrs.shard")
     return model
 
 

@@ -241,3 +241,20 @@ def test_ranks_that_replay_different_steps_raise_before_the_replay():
     for msg in run_workers(_replays_apart, 2, timeout=120):
         assert "the ranks disagree before the replay that ends at forward call" in msg, msg
         assert "forward calls" in msg, msg
+
+
+def test_model_compile_is_refused_and_keeps_zrs_forward():
+    # nn.Module.compile would put torch.compile's forward where zrs's is (_compiled_call_impl)
+    compiled = zrs.compile(nn.Linear(3, 4), backend="eager")
+    sharded = zrs.shard(nn.Linear(3, 4))
+    for model, api, fix in (
+        (compiled, "zrs.compile", "already compiled"),
+        (sharded, "zrs.shard", r"zrs\.shard\(model, compile=True\)"),
+    ):
+        forward = model._compiled_call_impl
+        with pytest.raises(zrs.ZrsError, match=rf"model\.compile\(\) on a model prepared by {api}"):
+            model.compile(backend="eager")
+        with pytest.raises(zrs.ZrsError, match=fix):
+            model.compile()
+        assert model._compiled_call_impl is forward
+        assert model(torch.ones(2, 3)).shape == (2, 4)

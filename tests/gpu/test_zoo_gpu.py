@@ -55,6 +55,14 @@ FP32 = (
         for model in group.COMPILED_UNITS_MODELS
         if model in ZOO
     ]
+    + [
+        pytest.param(
+            group.WHOLE_COMPILE,
+            group.WHOLE_COMPILE_MODEL,
+            False,
+            id=f"{group.WHOLE_COMPILE}-{group.WHOLE_COMPILE_MODEL}",
+        )
+    ]
 )
 
 

@@ -114,7 +114,8 @@ def fp32_problems(
 
 def compiled_problems(per_rank: list[dict], spec: ZooModel, backend: str) -> list[str]:
     """The zrs backend compiled the whole forward: one graph per frame and no graph break
-    except the model's explicit one (zrs.shard: no graph at all). When a backend fails on a
+    except the model's explicit one (zrs.shard: no graph at all; torch.compile of a zrs.shard
+    model, "whole:B": a graph or more); dynamo traced none of zrs's runtime. When a backend fails on a
     graph, dynamo falls back with a graph break and runs the code eagerly: the numbers would
     still match the reference."""
     expected = 2 if spec.explicit_graph_break else 1
@@ -122,6 +123,12 @@ def compiled_problems(per_rank: list[dict], spec: ZooModel, backend: str) -> lis
         expected = 0  # zrs.shard compiles nothing
     problems = []
     for rank, r in enumerate(per_rank):
+        if r["traced_runtime"]:
+            problems.append(f"rank {rank}: dynamo traced zrs's runtime: {r['traced_runtime']}")
+        if backend.startswith("whole:"):  # torch.compile(model): it breaks at zrs's hooks
+            if not r["graphs"]:
+                problems.append(f"rank {rank}: torch.compile(model) compiled no graph")
+            continue
         for reason in unexpected_graph_breaks(spec, r["graph_breaks"]):
             problems.append(f"rank {rank}: unexpected graph break:\n{reason}")
         if ":" in backend:  # zrs.shard's compiled layers: a graph or more, if any layer

@@ -72,6 +72,8 @@ HF_MODELS, HF_BACKEND = ("hf_gpt2", "hf_llama_varlen"), "inductor"
 # a stack of layers, and a Llama whose ranks recompile for their own lengths, each alone.
 COMPILED_UNITS = "shard:inductor"
 COMPILED_UNITS_MODELS = ("gpt_tied", "frozen", "bias_stack", "hf_llama_varlen")
+# torch.compile(model) on a zrs.shard model: its hooks and forward guard run eagerly at breaks.
+WHOLE_COMPILE, WHOLE_COMPILE_MODEL = "whole:inductor", "gpt_tied"
 BF16_MODELS, BF16_BACKEND = ("mlp",), "inductor"
 # bf16 masters: a model whose inputs are token ids (a bf16 model takes no fp32 batch; the zoo's
 # float-input models would need param_dtype= to cast them), the dearest case of the group.
@@ -115,7 +117,8 @@ def fp32_cases() -> list[Case]:
     zoo = [case(m, b) for b in FP32_BACKENDS for m in ZOO]
     streams = [case(m, b, comm_streams=True) for b, m in SIDE_STREAMS]
     units = [case(m, COMPILED_UNITS) for m in COMPILED_UNITS_MODELS]
-    return zoo + streams + [case(m, HF_BACKEND) for m in HF_MODELS] + units
+    whole = [case(WHOLE_COMPILE_MODEL, WHOLE_COMPILE)]
+    return zoo + streams + [case(m, HF_BACKEND) for m in HF_MODELS] + units + whole
 
 
 def bf16_case(model: str) -> Case:

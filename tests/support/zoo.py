@@ -19,7 +19,8 @@ import functools
 import os
 import sys
 import time
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
 from unittest import mock
 
 import pytest
@@ -423,7 +424,7 @@ class Case:
     model: str
     # zrs.compile's backend; "shard": zrs.shard; "shard:B": zrs.shard(compile=B), each layer of
     # a stack compiled by torch.compile's backend B; "hand:B": zrs.shard, then each layer's
-    # .compile(backend=B) by hand
+    # .compile(backend=B) by hand; "whole:B": zrs.shard, then torch.compile(model, backend=B)
     backend: str
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
@@ -457,6 +458,38 @@ class Case:
         return f"{self.backend}{sched}-{self.model}{dtype}{master}{where}{graphed}{streams}"
 
 
+def traced_runtime() -> list[str]:
+    """zrs's runtime functions that dynamo compiled code for in this process (its cache entries
+    on their code objects): none, when a user's torch.compile meets zrs's hooks and forward.
+    The model's forward (zrs's guard around the module's own) is the compile's entry, traced
+    as the model's code is; what it calls of the runtime is not."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from zrs.prepare import forward, units
+    from zrs.runtime import fetch, state
+
+    def codes(code: types.CodeType) -> Iterator[types.CodeType]:  # with the nested ones (hooks)
+        yield code
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                yield from codes(const)
+
+    found = []
+    for module in (fetch, state, forward, units):
+        for owner in (module, *(v for v in vars(module).values() if isinstance(v, type))):
+            for fn in vars(owner).values():
+                code = getattr(fn, "__code__", None)
+                if code is None or code.co_filename != module.__file__:
+                    continue
+                found += [
+                    f"{module.__name__}.{c.co_qualname}"
+                    for c in codes(code)
+                    if _debug_get_cache_entry_list(c)
+                    and c.co_qualname != "guarded.<locals>.forward"
+                ]
+    return found
+
+
 def _train_zrs(rank: int, case: Case, group: object) -> dict:
     from torch._dynamo.utils import counters
 
@@ -482,7 +515,7 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
         kwargs["scheduler"] = case.scheduler
     with mock.patch.dict(os.environ, {"ZRS_COMM_STREAMS": "1"} if case.comm_streams else {}):
         api, _, unit_backend = case.backend.partition(":")
-        if api in ("shard", "hand"):  # the eager path: zrs.shard
+        if api in ("shard", "hand", "whole"):  # the eager path: zrs.shard
             del kwargs["backend"]
             if unit_backend:
                 # Layers' forwards share code objects across the zoo's models: a fresh dynamo
@@ -499,6 +532,7 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
                     layer.compile(backend=unit_backend)
         else:
             compiled = zrs.compile(model, **kwargs)
+    runner = torch.compile(model, backend=unit_backend) if api == "whole" else model
     local = [
         (
             tuple(p.shape),
@@ -525,7 +559,7 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
         batch = tree_map(
             lambda t: t.to(device) if isinstance(t, Tensor) else t, spec.batch(rank, step)
         )
-        loss = spec.loss(model, batch)
+        loss = spec.loss(runner, batch)
         loss.backward()
         optimizer_step()
         losses.append(loss.item())
@@ -539,6 +573,7 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
     generated = spec.generate(model) if case.generate and spec.generate is not None else None
     state = zrs.full_state_dict(model)
     return {
+        "traced_runtime": traced_runtime(),
         "generated": generated,
         "returned_same_object": compiled is model,
         "local_params": local,

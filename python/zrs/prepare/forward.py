@@ -12,17 +12,42 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from zrs._core import ZrsError
 from zrs.prepare.units import ROOT
 from zrs.runtime.state import ZeroState
 
 
-def install_forward(model: nn.Module, call: Callable[..., Any]) -> None:
+def install_forward(model: nn.Module, call: Callable[..., Any], api: str) -> None:
     """Make `call` the model's forward (`nn.Module.__call__` runs `_compiled_call_impl` when it
-    is set), guarded as above; with a param_dtype, cast the inputs to it."""
+    is set), guarded as above; with a param_dtype, cast the inputs to it. `model.compile()`,
+    which would put torch.compile's forward in its place, raises instead (`api`: the zrs
+    function that prepared the model)."""
     state: ZeroState = model._zrs_state
     if state.param_dtype is not None:
         model.register_forward_pre_hook(cast_inputs(state.param_dtype), with_kwargs=True)
     model._compiled_call_impl = guarded(model, call)
+    model.compile = refuse_compile(api)  # the instance's, before nn.Module's
+
+
+def refuse_compile(api: str) -> Callable[..., None]:
+    """`nn.Module.compile` sets `_compiled_call_impl`, the slot that holds zrs's forward: the
+    step check and the root's gathers would be gone, and the first forward would read a
+    parameter that nothing gathered."""
+    how = (
+        "zrs.compile already compiled its forward"
+        if api == "zrs.compile"
+        else "zrs.shard(model, compile=True) compiles each layer of its repeated stack around "
+        "zrs's gathers (or zrs.compile(model) compiles the whole model); layer.compile() on a "
+        "submodule works too, as does torch.compile(model)"
+    )
+
+    def compile(*args: Any, **kwargs: Any) -> None:
+        raise ZrsError(
+            f"model.compile() on a model prepared by {api} would replace zrs's forward (its step "
+            f"check and the gathers of the model's own parameters) with torch.compile's: {how}."
+        )
+
+    return compile
 
 
 def cast_inputs(dtype: torch.dtype):
@@ -43,17 +68,35 @@ def guarded(model: nn.Module, call: Callable[..., Any]) -> Callable[..., Any]:
     fetcher = state.fetcher
     assert fetcher is not None, "the eager path is installed before the forward"
 
+    # The runtime's side runs eagerly even under a user's torch.compile of the whole model: the
+    # step check meets the other ranks, and the eager path's bookkeeping is no graph's.
+    @torch.compiler.disable
+    def check(inputs: tuple[tuple, dict]) -> None:
+        state.begin_forward(model.training, inputs)
+
+    @torch.compiler.disable
+    def begin() -> None:
+        fetcher.begin(torch.is_grad_enabled())
+        fetcher.enter(ROOT)
+
+    @torch.compiler.disable
+    def end(out: Any) -> None:
+        fetcher.exit(ROOT, out)
+        fetcher.end()
+
+    @torch.compiler.disable
+    def abandon(e: Exception) -> None:
+        state.abandon_step(e)
+
     def forward(*args: Any, **kwargs: Any) -> Any:
-        state.begin_forward(model.training, (args, kwargs))
+        check((args, kwargs))
         try:
-            fetcher.begin(torch.is_grad_enabled())
-            fetcher.enter(ROOT)
+            begin()
             out = call(*args, **kwargs)
-            fetcher.exit(ROOT, out)
-            fetcher.end()
+            end(out)
             return out
         except Exception as e:
-            state.abandon_step(e)
+            abandon(e)
             raise
 
     return forward

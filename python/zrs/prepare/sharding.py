@@ -39,6 +39,28 @@ InitFn = Callable[[nn.Module], None]
 Subclasses = dict[tuple[type, frozenset[str], bool], type]
 
 
+def _read(module: nn.Module, name: str) -> torch.Tensor:
+    """A sharded parameter's full value: the eager path's leaf inside a zrs.shard forward, else
+    the gather op (traced by zrs.compile, or run eagerly)."""
+    ds_id, shape, dtype = module._zrs_params[name]
+    if not torch.compiler.is_compiling():
+        fetcher = module._zrs_fetcher
+        if fetcher.depth:  # inside a forward: the eager path's leaf (runtime/fetch.py)
+            return fetcher.param(ds_id)
+    # Traced, the id stays out of the graph (the backend resolves it from the shard), so the
+    # layers of a repeated block trace to one shared body (compiler/regions.py).
+    traced_id = UNRESOLVED if torch.compiler.is_compiling() else ds_id
+    full = torch.ops.zrs.gather(module._zrs_shards[name], traced_id, shape)
+    # A cast right after the gather is fused into it by the zero3 pass (gather in bf16).
+    return full if dtype is None else full.to(dtype)
+
+
+# A zrs.shard parameter that a user's torch.compile reaches outside any unit's compiled forward:
+# nothing says its leaf is gathered, so it is read eagerly, at a graph break. Its traced gather
+# would reach a backend that is not zrs's, which cannot resolve the parameter.
+_read_eagerly = torch.compiler.disable(_read)
+
+
 def _gathered(name: str) -> property:
     def get(self: nn.Module) -> torch.Tensor:
         leaves = self._zrs_leaves
@@ -48,20 +70,8 @@ def _gathered(name: str) -> property:
             # layer's own ds_id enters the guards and one compile serves every layer.
             if name in leaves:
                 return leaves[name]
-            # Outside any unit's compiled forward nothing says the leaf is gathered: read it
-            # eagerly (below), after a graph break.
-            torch._dynamo.graph_break()
-        ds_id, shape, dtype = self._zrs_params[name]
-        if not torch.compiler.is_compiling():
-            fetcher = self._zrs_fetcher
-            if fetcher.depth:  # inside a forward: the eager path's leaf (runtime/fetch.py)
-                return fetcher.param(ds_id)
-        # Traced, the id stays out of the graph (the backend resolves it from the shard), so the
-        # layers of a repeated block trace to one shared body (compiler/regions.py).
-        traced_id = UNRESOLVED if torch.compiler.is_compiling() else ds_id
-        full = torch.ops.zrs.gather(self._zrs_shards[name], traced_id, shape)
-        # A cast right after the gather is fused into it by the zero3 pass (gather in bf16).
-        return full if dtype is None else full.to(dtype)
+            return _read_eagerly(self, name)
+        return _read(self, name)
 
     return property(get, doc=f"`{name}` gathered from its shards (zrs)")
 

@@ -115,13 +115,14 @@ def _compiled_forward(module: nn.Module, fetcher: Fetcher, unit: Unit, backend: 
     compiled = torch.compile(module.forward, backend=backend)
     eager = module.forward
     slots = [fetcher.slot_of[h.ds_id] for h in unit.handles]
+    gather_now = torch.compiler.disable(fetcher.gather_now)  # the runtime is never traced
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not (fetcher.entered and fetcher.entered[-1]):
             # Called outside the model's forward and backward (generate() runs the encoder
             # alone): the leaves are gathered as module code reads them, eagerly.
             return eager(*args, **kwargs)
-        fetcher.gather_now(slots)  # a no-op after the hook; a direct call of .forward() gathers
+        gather_now(slots)  # a no-op after the hook; a direct call of .forward() gathers
         return compiled(*args, **kwargs)
 
     return forward
@@ -140,10 +141,8 @@ def _share_leaves(unit_module: nn.Module, fetcher: Fetcher) -> None:
 
 
 def _pre(fetcher: Fetcher, unit: int, frozen: bool):
+    @torch.compiler.disable
     def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-        if torch.compiler.is_compiling():
-            # torch.compile on a unit's module by hand traces its hooks: run them eagerly.
-            torch._dynamo.graph_break()
         fetcher.enter(unit)
         if frozen:
             fetcher.after_backward(unit, (args, kwargs))
@@ -152,9 +151,8 @@ def _pre(fetcher: Fetcher, unit: int, frozen: bool):
 
 
 def _post(fetcher: Fetcher, unit: int):
+    @torch.compiler.disable
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        if torch.compiler.is_compiling():
-            torch._dynamo.graph_break()
         fetcher.exit(unit, output)
 
     return hook

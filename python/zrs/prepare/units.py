@@ -141,6 +141,8 @@ def _share_leaves(unit_module: nn.Module, fetcher: Fetcher) -> None:
 
 
 def _pre(fetcher: Fetcher, unit: int, frozen: bool):
+    # A torch.compile that reaches a hook (layer.compile(), torch.compile(model)) breaks its
+    # graph at the call and runs the hook eagerly: dynamo never traces the coordinator.
     @torch.compiler.disable
     def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         fetcher.enter(unit)

@@ -42,18 +42,26 @@ LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-6
 # are held to the absolute bound only.
 BF16_ATOL, UPDATE_RTOL, STILL = 6e-3, 0.15, 1e-5
 
-FP32 = [
-    pytest.param(backend, world, model, id=f"{backend}-w{world}-{model}")
-    for backend in ("eager", "inductor", "shard")
-    for world in (1, 2, 3)
-    for model in MODELS
-] + [
-    # zrs.shard with each layer compiled (AOTAutograd's partition, no code generation;
-    # tests/e2e/test_shard_compile.py runs inductor): a tied head with biases, ranks recompiling
-    # for their own lengths, and an encoder that generate() calls outside the forward
-    pytest.param("shard:aot_eager", 2, model, id=f"shard:aot_eager-w2-{model}")
-    for model in ("hf_gpt2", "hf_llama_varlen", "hf_t5")
-]
+FP32 = (
+    [
+        pytest.param(backend, world, model, id=f"{backend}-w{world}-{model}")
+        for backend in ("eager", "inductor", "shard")
+        for world in (1, 2, 3)
+        for model in MODELS
+    ]
+    + [
+        # zrs.shard with each layer compiled (AOTAutograd's partition, no code generation;
+        # tests/e2e/test_shard_compile.py runs inductor): a tied head with biases, ranks recompiling
+        # for their own lengths, and an encoder that generate() calls outside the forward
+        pytest.param("shard:aot_eager", 2, model, id=f"shard:aot_eager-w2-{model}")
+        for model in ("hf_gpt2", "hf_llama_varlen", "hf_t5")
+    ]
+    + [
+        # torch.compile(zrs.shard(model)): zrs's hooks and forward guard run eagerly at breaks
+        pytest.param("whole:aot_eager", 2, model, id=f"whole:aot_eager-w2-{model}")
+        for model in ("hf_gpt2", "hf_llama_varlen")
+    ]
+)
 # bf16 on the eager backend only: inductor's bf16 path is the own zoo's (test_mixed_precision),
 # and an inductor group of these models costs ~7 minutes of CI.
 BF16 = [
@@ -115,8 +123,13 @@ def test_hf_model_matches_reference(backend: str, world: int, model: str) -> Non
         loss_atol=LOSS_ATOL,
         generated=case.generate,
     )
-    if model.endswith("_varlen"):
+    if model.endswith("_varlen") and not backend.startswith("whole:"):  # whole: the user's dynamo
         problems += varlen_graph_problems(per_rank, backend)
+    problems += [
+        f"dynamo traced zrs's runtime: {r['traced_runtime']}"
+        for r in per_rank
+        if r["traced_runtime"]
+    ]
     _fail(model, world, backend, "", problems)
     for rank, r in enumerate(per_rank):
         reemit_warnings(r["warnings"], where=f"rank {rank}, {model}")

@@ -115,9 +115,9 @@ def fp32_problems(
 def compiled_problems(per_rank: list[dict], spec: ZooModel, backend: str) -> list[str]:
     """The zrs backend compiled the whole forward: one graph per frame and no graph break
     except the model's explicit one (zrs.shard: no graph at all; torch.compile of a zrs.shard
-    model, "whole:B": a graph or more); dynamo traced none of zrs's runtime. When a backend fails on a
-    graph, dynamo falls back with a graph break and runs the code eagerly: the numbers would
-    still match the reference."""
+    model, "whole:B": a graph or more); dynamo traced none of zrs's runtime. When a backend
+    fails on a graph, dynamo falls back with a graph break and runs the code eagerly: the
+    numbers would still match the reference."""
     expected = 2 if spec.explicit_graph_break else 1
     if backend == "shard":
         expected = 0  # zrs.shard compiles nothing

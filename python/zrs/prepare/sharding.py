@@ -206,9 +206,7 @@ def _rank0_values(state: ZeroState, params: list[torch.Tensor]) -> list[torch.Te
     return fulls
 
 
-def _shard_one(
-    state: ZeroState, param: nn.Parameter, full: torch.Tensor, name: str
-) -> ParamHandle:
+def _shard_one(state: ZeroState, param: nn.Parameter, full: torch.Tensor, name: str) -> ParamHandle:
     """`param` sharded into `state`, from `full`: its value on the device, rank 0's."""
     slot = state.registry.register(
         list(param.shape), str(param.dtype).removeprefix("torch."), param.requires_grad

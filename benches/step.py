@@ -199,6 +199,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "one NCCL communicator",
     )
     p.add_argument(
+        "--zrs-reduces-in-flight",
+        type=int,
+        metavar="N",
+        help="zrs's gradient reduce-scatters in flight at most (zrs.runtime.grads."
+        "MAX_IN_FLIGHT_REDUCES, default 2): an experiment's knob, not an option of zrs",
+    )
+    p.add_argument(
         "--compile-backend",
         default="inductor",
         help="torch.compile backend of single and fsdp2_compile (default inductor; aot_eager "

@@ -25,7 +25,10 @@ def build_zrs(
     (zrs.GraphedStep, without clipping or the non-finite check, as the other systems step).
     `captured`: also the forward and backward, the whole step one graph (zrs.CapturedStep)."""
     import zrs
+    from zrs.runtime import grads
 
+    if ctx.args.zrs_reduces_in_flight is not None:
+        grads.MAX_IN_FLIGHT_REDUCES = ctx.args.zrs_reduces_in_flight
     spec = ctx.spec
     model = ctx.master_model()
     torch.manual_seed(ctx.args.seed)
@@ -82,8 +85,11 @@ COMPILED = ("zrs", "zrs_graphed", "zrs_captured")  # the zrs.compile ones: recor
 
 def record_fields(args: argparse.Namespace, built: Built) -> dict:
     """A zrs.compile system's own fields of the record: its options and its compile's share."""
+    from zrs.runtime import grads
+
     record: dict = {}
     record["zrs_backend"] = args.zrs_backend
+    record["zrs_reduces_in_flight"] = grads.MAX_IN_FLIGHT_REDUCES  # the value in effect
     record["zrs_scheduler"] = args.zrs_scheduler
     record["zrs_regions"] = not args.zrs_no_regions
     record["zrs_dynamic"] = bool(args.zrs_dynamic) or built.world > 1

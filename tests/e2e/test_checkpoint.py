@@ -121,8 +121,30 @@ def _ordinary_calls(rank: int, root: str, backend: str) -> dict[str, Any]:
     scaler.update()
     after = zrs.full_state_dict(model)
     out["scaler"] = (scaler.get_scale(), all(torch.equal(before[k], after[k]) for k in before))
+    out.update(_optimizer_habit(rank, root, model, opt, backend))
     out.update(_full_state_dicts(rank, root, spec, backend))
     return out
+
+
+def _optimizer_habit(
+    rank: int, root: str, model: Any, opt: torch.optim.Optimizer, backend: str
+) -> dict[str, Any]:
+    """The DDP habit with the optimizer: each rank's own state_dict() loads back; rank 0's,
+    loaded on every rank, is refused at the next step."""
+    import zrs
+
+    own = os.path.join(root, f"opt-rank{rank}-{backend}.pt")
+    first = os.path.join(root, f"opt-rank0-{backend}.pt")
+    torch.save(opt.state_dict(), own)
+    dist.barrier()
+    opt.load_state_dict(torch.load(own, weights_only=False))
+    opt.step()  # its own rows: no error
+    opt.load_state_dict(torch.load(first, weights_only=False))
+    try:
+        opt.step()
+        return {"optimizer_habit": None}
+    except zrs.ZrsError as e:
+        return {"optimizer_habit": str(e)}
 
 
 def _full_state_dicts(rank: int, root: str, spec: Any, backend: str) -> dict[str, Any]:
@@ -326,6 +348,15 @@ def test_one_ranks_state_dict_loaded_on_another_rank_raises(backend):
     habits = [r["ddp_habit"] for r in _calls(backend)]
     assert habits[0] is None  # rank 0 loads its own rows
     assert habits[1] is not None and "rows of rank 0 of 2" in habits[1]
+
+
+@pytest.mark.parametrize("backend", CALLS)
+def test_one_ranks_optimizer_state_loaded_on_another_rank_raises(backend):
+    """Rank 0's optimizer.state_dict() loaded on every rank: rank 1's next step raises."""
+    habits = [r["optimizer_habit"] for r in _calls(backend)]
+    assert habits[0] is None  # rank 0 loads its own rows
+    assert habits[1] is not None, "rank 1 stepped with rank 0's optimizer state"
+    assert "rank 1 of 2 owns" in habits[1] and "rows from 0" in habits[1], habits[1]
 
 
 @pytest.mark.parametrize(

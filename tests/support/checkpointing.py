@@ -72,6 +72,7 @@ def full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     `get_optimizer_state_dict(full_state_dict=True)`; zrs.runtime.exchange says why zrs keeps its
     own alive)."""
     import zrs
+    from zrs.checkpointing.optimizer_rows import ROWS
     from zrs.runtime import collectives
     from zrs.runtime.handles import ParamHandle
 
@@ -85,7 +86,8 @@ def full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
         return collectives.gather_full(h, flat, None).cpu().clone()
 
     optim = {
-        name: {k: gathered(handles[id(p)], v) for k, v in opt.state[p].items()}
+        # (zrs's mark of the state's rows is shaped like the rows, not the parameter: left out)
+        name: {k: gathered(handles[id(p)], v) for k, v in opt.state[p].items() if k != ROWS}
         for name, p in model.named_parameters()
         if p in opt.state
     }

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from zrs._core import ZrsError
+from zrs.checkpointing.optimizer_rows import OPTIMIZER_ROWS
 from zrs.runtime import collectives, handles
 from zrs.runtime.handles import ParamHandle
 
@@ -85,7 +86,8 @@ def _take_local_rows(
 
 def install_hooks(model: nn.Module) -> None:
     """Give each module of a sharded model that has sharded parameters the two state-dict hooks
-    above."""
+    above, and every optimizer step the check of the optimizer state's rows."""
+    OPTIMIZER_ROWS.install()
     for module in model.modules():
         if getattr(module, "_zrs_params", None):
             module._register_state_dict_hook(_mark_saved)

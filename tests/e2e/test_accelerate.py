@@ -1,0 +1,122 @@
+"""Accelerate with a zrs model (`zrs.trainers.accelerate.Accelerator`), on CPU ranks: prepare,
+gradient accumulation and clipping against the unsharded reference; save_state, then load_state
+at the same world size (the run continues bit for bit) and at another (every rank holds the saved
+rows of the weights and of the optimizer's momentum)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zrs
+from _dist import run_workers
+from zoo import LR, MOMENTUM, ZooModel, compare_params, spec_of, train_reference
+
+pytest.importorskip("accelerate")
+pytestmark = pytest.mark.slow
+
+MODEL = "gpt_tied"  # a tied head: two keys of one tensor in the saved weights
+ACCUMULATE, STEPS, SAVE_AFTER, MAX_NORM = 2, 3, 1, 0.5
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _micro_batches(spec: ZooModel, world: int) -> ZooModel:
+    """The reference's view of accumulation: step s averages world x ACCUMULATE micro-batches,
+    micro-batch m of rank r being the run's batch (r, s * ACCUMULATE + m)."""
+
+    def batch(virtual: int, step: int):
+        return spec.batch(virtual % world, step * ACCUMULATE + virtual // world)
+
+    return dataclasses.replace(spec, batch=batch)
+
+
+def _prepared(spec: ZooModel):
+    from zrs.trainers.accelerate import Accelerator
+
+    model = zrs.shard(spec.build())
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATE)
+    model, opt = accelerator.prepare(model, opt)
+    return accelerator, model, opt
+
+
+def _train(accelerator, model, opt, spec: ZooModel, rank: int, steps: range, save: str = ""):
+    for step in steps:
+        for micro in range(ACCUMULATE):
+            with accelerator.accumulate(model):
+                accelerator.backward(spec.loss(model, spec.batch(rank, step * ACCUMULATE + micro)))
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+                opt.step()
+                opt.zero_grad()
+        if save and step + 1 == SAVE_AFTER:
+            accelerator.save_state(save)
+
+
+def _momenta(opt) -> list[torch.Tensor]:
+    from zrs.checkpointing import optimizer_state
+
+    inner = opt.optimizer
+    state = optimizer_state.gather(inner, inner.state_dict())["state"]
+    return [state[i]["momentum_buffer"] for i in sorted(state)]
+
+
+def _save_and_resume(rank: int, world: int, root: str) -> dict:
+    spec = spec_of(MODEL)
+    accelerator, model, opt = _prepared(spec)
+    _train(accelerator, model, opt, spec, rank, range(STEPS), save=os.path.join(root, "state"))
+    out = {"final": zrs.full_state_dict(model), "wrapped": type(model).__name__}
+    # A fresh model, optimizer and Accelerator from the saved state: the same last steps.
+    accelerator, model, opt = _prepared(spec)
+    accelerator.load_state(os.path.join(root, "state"))
+    out["loaded"] = zrs.full_state_dict(model)
+    out["momenta"] = _momenta(opt)
+    _train(accelerator, model, opt, spec, rank, range(SAVE_AFTER, STEPS))
+    out["resumed"] = zrs.full_state_dict(model)
+    return out
+
+
+def _load_elsewhere(rank: int, world: int, root: str) -> dict:
+    accelerator, model, opt = _prepared(spec_of(MODEL))
+    accelerator.load_state(os.path.join(root, "state"))
+    dist.barrier()
+    return {"loaded": zrs.full_state_dict(model), "momenta": _momenta(opt)}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[list[dict], str]:
+    root = str(tmp_path_factory.mktemp("accelerate"))
+    return run_workers(_save_and_resume, 2, root, timeout=600), root
+
+
+def test_trains_as_the_unsharded_reference_with_accumulation_and_clipping(saved):
+    per_rank, _ = saved
+    spec = spec_of(MODEL)
+    ref = train_reference(_micro_batches(spec, 2), 2 * ACCUMULATE, steps=STEPS, max_norm=MAX_NORM)
+    assert per_rank[0]["wrapped"] != "DistributedDataParallel"
+    final = {k: v for k, v in per_rank[0]["final"].items() if k in ref.final}
+    problems = compare_params(final, ref.final, rtol=RTOL, atol=ATOL)
+    assert not problems, problems
+    assert all(torch.equal(r["final"][k], per_rank[0]["final"][k]) for r in per_rank for k in final)
+
+
+def test_load_state_at_the_same_world_size_continues_the_run_exactly(saved):
+    per_rank, _ = saved
+    for rank, r in enumerate(per_rank):
+        for key, value in r["final"].items():
+            assert torch.equal(r["resumed"][key], value), f"rank {rank}: {key}"
+
+
+def test_load_state_at_another_world_size_gives_every_rank_its_rows(saved):
+    per_rank, root = saved
+    for r in run_workers(_load_elsewhere, 3, root, timeout=600):
+        for key, value in per_rank[0]["loaded"].items():
+            assert torch.equal(r["loaded"][key], value), key
+        assert len(r["momenta"]) == len(per_rank[0]["momenta"])
+        for got, want in zip(r["momenta"], per_rank[0]["momenta"], strict=True):
+            assert torch.equal(got, want)
+    assert not any(torch.equal(m, torch.zeros_like(m)) for m in per_rank[0]["momenta"])

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import zrs
-from _dist import run_workers
+from _dist import as_torchrun, run_workers
 from zoo import LR, MOMENTUM, ZooModel, compare_params, spec_of, train_reference
 
 pytest.importorskip("accelerate")
@@ -66,10 +66,15 @@ def _momenta(opt) -> list[torch.Tensor]:
 
 
 def _save_and_resume(rank: int, world: int, root: str) -> dict:
+    as_torchrun(rank, world)
     spec = spec_of(MODEL)
     accelerator, model, opt = _prepared(spec)
     _train(accelerator, model, opt, spec, rank, range(STEPS), save=os.path.join(root, "state"))
-    out = {"final": zrs.full_state_dict(model), "wrapped": type(model).__name__}
+    out = {
+        "final": zrs.full_state_dict(model),
+        "wrapped": type(model).__name__,
+        "processes": (accelerator.num_processes, accelerator.is_main_process),
+    }
     # A fresh model, optimizer and Accelerator from the saved state: the same last steps.
     accelerator, model, opt = _prepared(spec)
     accelerator.load_state(os.path.join(root, "state"))
@@ -81,6 +86,7 @@ def _save_and_resume(rank: int, world: int, root: str) -> dict:
 
 
 def _load_elsewhere(rank: int, world: int, root: str) -> dict:
+    as_torchrun(rank, world)
     accelerator, model, opt = _prepared(spec_of(MODEL))
     accelerator.load_state(os.path.join(root, "state"))
     dist.barrier()
@@ -97,6 +103,7 @@ def test_trains_as_the_unsharded_reference_with_accumulation_and_clipping(saved)
     per_rank, _ = saved
     spec = spec_of(MODEL)
     ref = train_reference(_micro_batches(spec, 2), 2 * ACCUMULATE, steps=STEPS, max_norm=MAX_NORM)
+    assert [r["processes"] for r in per_rank] == [(2, True), (2, False)]
     assert per_rank[0]["wrapped"] != "DistributedDataParallel"
     final = {k: v for k, v in per_rank[0]["final"].items() if k in ref.final}
     problems = compare_params(final, ref.final, rtol=RTOL, atol=ATOL)

@@ -86,6 +86,20 @@ def _rank0_worker(rank: int, world: int) -> dict:
     zrs.shard(model)
     model(torch.tensor([[1, 2, 3]])).sum().backward()  # trains: ties and dtypes held
     out = {"own": own, "sharded": zrs.full_state_dict(model)}
+    # A conversion that keeps the parameters where they are (a copy of each, on `cpu:0`) leaves
+    # them zrs's: the next step still trains what the gathers read.
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model.to("cpu:0")
+    model(torch.tensor([[1, 2, 3]])).sum().backward()
+    opt.step()
+    out["trained_after_to"] = not torch.equal(
+        zrs.full_state_dict(model)["body.weight"], out["sharded"]["body.weight"]
+    )
+    try:
+        model.double()
+        out["double"] = None
+    except zrs.ZrsError as e:
+        out["double"] = str(e)
     # A group of ranks 1 and 2: its rank 0 is global rank 1.
     sub = torch.distributed.new_group([1, 2])
     if rank in (1, 2):
@@ -107,6 +121,8 @@ def test_every_rank_starts_from_rank_0s_weights():
     for rank, r in enumerate(per_rank[1:], start=1):
         for name, value in rank0.items():
             assert torch.equal(r["sharded"][name], value), f"rank {rank}: {name}"
+    assert all(r["trained_after_to"] for r in per_rank), "model.to('cpu:0') stopped training"
+    assert all(r["double"] and "cannot move or cast" in r["double"] for r in per_rank)
     assert torch.equal(per_rank[1]["sub"], per_rank[1]["sub_own"])
     assert torch.equal(per_rank[2]["sub"], per_rank[1]["sub_own"])
     assert rank0["low.weight"].dtype == torch.bfloat16

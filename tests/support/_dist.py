@@ -380,3 +380,14 @@ def cached_run(key: object, fn: Callable[..., Any], world_size: int, *args: Any,
     if isinstance(result, Exception):
         raise RuntimeError(f"the worker group {key!r} failed as a whole:\n{result}") from None
     return result
+
+
+def as_torchrun(rank: int, world_size: int) -> None:
+    """The environment torchrun gives a rank, for libraries that read it rather than the
+    process group (Accelerate decides whether it trains distributed from WORLD_SIZE)."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )

@@ -91,6 +91,40 @@ def _guarded_register(base: type) -> Callable[..., None]:
     return register_parameter
 
 
+def _guarded_apply(base: type) -> Callable[..., nn.Module]:
+    def _apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):
+        # `model.to()`, `.cuda()`, `.half()` and the like. A sharded parameter's local tensor is
+        # a view of zrs's shard, and torch swaps a DTensor parameter for whatever `fn` returns, a
+        # copy when the device merely compares unequal (`cpu` against `cpu:0`): the optimizer
+        # would then step a tensor that no gather reads, and the model would stop training. So
+        # sharded parameters stay as they are; a conversion that would move or cast one raises.
+        sharded = [
+            n for n in getattr(self, "_zrs_params", {}) if self._parameters.get(n) is not None
+        ]
+        kept = {}
+        for name in sharded:
+            param = self._parameters[name]
+            applied = fn(param)
+            if applied is not param and (
+                applied.device != param.device or applied.dtype != param.dtype
+            ):
+                raise ZrsError(
+                    f"cannot move or cast {type(self).__name__}.{name} ({param.dtype} on "
+                    f"{param.device}, to {applied.dtype} on {applied.device}): it is sharded by "
+                    "zrs, and a copy would leave the optimizer stepping a tensor that no gather "
+                    "reads. Move or cast the model before zrs.shard / zrs.compile, and choose "
+                    "the dtypes with param_dtype and master_dtype"
+                )
+            kept[name] = param
+            self._parameters[name] = None  # base._apply skips it, in its place
+        try:
+            return base._apply(self, fn, recurse)
+        finally:
+            self._parameters.update(kept)
+
+    return _apply
+
+
 def _install_properties(
     module: nn.Module, base: type, names: frozenset[str], block: bool, classes: Subclasses
 ) -> None:
@@ -101,6 +135,7 @@ def _install_properties(
         attrs["_zrs_leaves"] = None  # zrs.compile; zrs.shard sets a dict per module (units.py)
         attrs["_zrs_block"] = block
         attrs["register_parameter"] = _guarded_register(base)
+        attrs["_apply"] = _guarded_apply(base)
         if block:
             # dynamo traces every layer's call into one shared body, compiled once
             attrs["forward"] = torch.compiler.nested_compile_region(_without_aliases(base.forward))

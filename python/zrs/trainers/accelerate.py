@@ -59,7 +59,7 @@ class _FullWeights:
         return self.model.load_state_dict(state_dict, strict=strict)
 
 
-def _load_full_weights(models: list[Any], input_dir: str) -> None:
+def load_full_weights(models: list[Any], input_dir: str) -> None:
     """Accelerate's load-state hook: every sharded model is loaded as `_FullWeights`."""
     for i, model in enumerate(models):
         if is_sharded(model):
@@ -71,7 +71,7 @@ class Accelerator(accelerate.Accelerator):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.register_load_state_pre_hook(_load_full_weights)
+        self.register_load_state_pre_hook(load_full_weights)
 
     def prepare_model(
         self,

@@ -1,0 +1,134 @@
+"""Hugging Face's Trainer with a zrs model (`zrs.trainers.hf.Trainer`), on CPU ranks: it trains as
+Trainer trains the unsharded model under DDP (gradient accumulation and clipping included), its
+checkpoint resumes the run bit for bit, and loaded at another world size it gives every rank the
+saved weights and optimizer state."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import zrs
+from _dist import as_torchrun, run_workers
+from zoo import spec_of
+
+pytestmark = pytest.mark.slow
+
+MODEL = "hf_gpt2"  # biases and a tied head
+STEPS, SAVE_AT, LR, MOMENTUM, MAX_NORM = 4, 2, 0.1, 0.9, 0.5
+
+
+class _Tokens(torch.utils.data.Dataset):
+    """Fixed-length rows of a seeded token matrix: Trainer's sampler decides who trains on which."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.rows = torch.randint(2, 48, (64, 8), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def _trainer(model, root: str, name: str, *, sharded: bool):
+    import transformers
+
+    from zrs.trainers.hf import Trainer
+
+    args = transformers.TrainingArguments(
+        output_dir=os.path.join(root, name),
+        max_steps=STEPS,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_grad_norm=MAX_NORM,
+        save_strategy="steps",
+        save_steps=SAVE_AT,
+        logging_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    cls = Trainer if sharded else transformers.Trainer
+    return cls(model=model, args=args, train_dataset=_Tokens(), optimizers=(opt, schedule))
+
+
+def _momenta(trainer) -> list[torch.Tensor]:
+    from zrs.checkpointing import optimizer_state
+
+    inner = trainer.optimizer.optimizer
+    state = optimizer_state.gather(inner, inner.state_dict())["state"]
+    return [state[i]["momentum_buffer"] for i in sorted(state)]
+
+
+def _runs(rank: int, world: int, root: str) -> dict:
+    as_torchrun(rank, world)
+    spec = spec_of(MODEL)
+    plain = spec.build()
+    _trainer(plain, root, "ddp", sharded=False).train()
+    out = {"ddp": {k: v.detach().clone() for k, v in plain.state_dict().items()}}
+    out["ddp_processes"] = torch.distributed.get_world_size()
+    sharded = zrs.shard(spec.build())
+    trainer = _trainer(sharded, root, "zrs", sharded=True)
+    trainer.train()
+    out["zrs"] = zrs.full_state_dict(sharded)
+    resumed = zrs.shard(spec.build())
+    trainer = _trainer(resumed, root, "zrs", sharded=True)
+    trainer.train(resume_from_checkpoint=os.path.join(root, "zrs", f"checkpoint-{SAVE_AT}"))
+    out["resumed"] = zrs.full_state_dict(resumed)
+    return out
+
+
+def _at_checkpoint(rank: int, world: int, root: str) -> dict:
+    """A run of world 3 resumed from the world-2 checkpoint with nothing left to train: what
+    it loaded."""
+    as_torchrun(rank, world)
+    model = zrs.shard(spec_of(MODEL).build())
+    trainer = _trainer(model, os.path.join(root, "w3"), "zrs", sharded=True)
+    trainer.args.max_steps = SAVE_AT
+    trainer.train(resume_from_checkpoint=os.path.join(root, "zrs", f"checkpoint-{SAVE_AT}"))
+    return {"loaded": zrs.full_state_dict(model), "momenta": _momenta(trainer)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[list[dict], str]:
+    root = str(tmp_path_factory.mktemp("trainer"))
+    return run_workers(_runs, 2, root, timeout=900), root
+
+
+def test_trains_as_trainer_trains_the_unsharded_model_under_ddp(runs):
+    per_rank, _ = runs
+    zrs_final, ddp = per_rank[0]["zrs"], per_rank[0]["ddp"]
+    for key, value in ddp.items():
+        assert torch.allclose(zrs_final[key], value, rtol=1e-5, atol=1e-6), key
+    assert not torch.equal(zrs_final["transformer.h.0.mlp.c_fc.weight"],
+                           spec_of(MODEL).build().state_dict()["transformer.h.0.mlp.c_fc.weight"])  # fmt: skip
+
+
+def test_a_checkpoint_resumes_the_run_exactly(runs):
+    per_rank, _ = runs
+    for rank, r in enumerate(per_rank):
+        for key, value in r["zrs"].items():
+            assert torch.equal(r["resumed"][key], value), f"rank {rank}: {key}"
+
+
+def test_a_checkpoint_of_2_ranks_loads_on_3(runs):
+    _, root = runs
+    import safetensors.torch
+
+    checkpoint = os.path.join(root, "zrs", f"checkpoint-{SAVE_AT}")
+    saved = safetensors.torch.load_file(os.path.join(checkpoint, "model.safetensors"))
+    saved_optim = torch.load(os.path.join(checkpoint, "optimizer.pt"), weights_only=True)
+    momenta = [saved_optim["state"][i]["momentum_buffer"] for i in sorted(saved_optim["state"])]
+    for r in run_workers(_at_checkpoint, 3, root, timeout=900):
+        for key, value in saved.items():
+            assert torch.equal(r["loaded"][key], value), key
+        assert len(r["momenta"]) == len(momenta)
+        for got, want in zip(r["momenta"], momenta, strict=True):
+            assert torch.equal(got, want)

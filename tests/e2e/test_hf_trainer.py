@@ -86,14 +86,22 @@ def _runs(rank: int, world: int, root: str) -> dict:
 
 
 def _at_checkpoint(rank: int, world: int, root: str) -> dict:
-    """A run of world 3 resumed from the world-2 checkpoint with nothing left to train: what
-    it loaded."""
+    """A run of world 3 resumed from the world-2 checkpoint: what it holds when training begins."""
+    import transformers
+
     as_torchrun(rank, world)
     model = zrs.shard(spec_of(MODEL).build())
     trainer = _trainer(model, os.path.join(root, "w3"), "zrs", sharded=True)
-    trainer.args.max_steps = SAVE_AT
+    seen: dict = {}
+
+    class Loaded(transformers.TrainerCallback):
+        def on_train_begin(self, *args, **kwargs):  # after the checkpoint's load
+            seen["loaded"] = zrs.full_state_dict(model)
+            seen["momenta"] = _momenta(trainer)
+
+    trainer.add_callback(Loaded())
     trainer.train(resume_from_checkpoint=os.path.join(root, "zrs", f"checkpoint-{SAVE_AT}"))
-    return {"loaded": zrs.full_state_dict(model), "momenta": _momenta(trainer)}
+    return seen
 
 
 @pytest.fixture(scope="module")

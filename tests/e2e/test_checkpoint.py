@@ -135,6 +135,7 @@ def _optimizer_habit(
 
     own = os.path.join(root, f"opt-rank{rank}-{backend}.pt")
     first = os.path.join(root, f"opt-rank0-{backend}.pt")
+    opt.step()  # SGD's momentum, the state to save, starts at the first step
     torch.save(opt.state_dict(), own)
     dist.barrier()
     opt.load_state_dict(torch.load(own, weights_only=False))

@@ -88,7 +88,11 @@ class OptimizerRows:
                 self.checked[id(mark)] = mark
 
     def check(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
-        """Before a step: compare the marks loaded since the last check with this rank's rows."""
+        """Before a step: compare the marks loaded since the last check with this rank's rows.
+        Not while a CUDA graph captures the step (zrs.GraphedStep): no host read is allowed
+        there, and its eager steps before the capture have checked them."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return
         unchecked = []
         for p, h in sharded_params(optimizer):
             mark = optimizer.state.get(p, {}).get(ROWS)

@@ -77,7 +77,10 @@ class OptimizerRows:
 
     def mark(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
         """After a step: give each sharded parameter's state its mark (the first step only:
-        an optimizer initialises a state that is empty, so the mark cannot come before)."""
+        an optimizer initialises a state that is empty, so the mark cannot come before). Not
+        inside a CUDA graph's capture, whose eager steps before it made the marks."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return
         for p, h in sharded_params(optimizer):
             state = optimizer.state.get(p)
             like = (

@@ -25,9 +25,10 @@ def build_zrs(
     (zrs.GraphedStep, without clipping or the non-finite check, as the other systems step).
     `captured`: also the forward and backward, the whole step one graph (zrs.CapturedStep)."""
     import zrs
-    from zrs.runtime import grads
 
     if ctx.args.zrs_reduces_in_flight is not None:
+        from zrs.runtime import grads
+
         grads.MAX_IN_FLIGHT_REDUCES = ctx.args.zrs_reduces_in_flight
     spec = ctx.spec
     model = ctx.master_model()

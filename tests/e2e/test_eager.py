@@ -6,6 +6,7 @@ test_faults.py."""
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 
 import pytest
@@ -193,6 +194,58 @@ def test_activation_checkpointing_and_accumulation_match_the_plain_model(compile
     assert not any(model._zrs_state.fetcher.ready)
     if compile:
         assert counters["stats"]["unique_graphs"] >= 1, "no layer was compiled"
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(6)
+        self.proj = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.proj(self.norm(x)))
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Block() for _ in range(4))
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_one_torch_compile_per_layer_class(monkeypatch):
+    """zrs.shard(compile=...) calls torch.compile once for a stack's forward function, not once
+    per layer (each call copies inductor's configuration); a forward set on one instance gets
+    its own; the layers still train as the plain model does."""
+    calls: list[object] = []
+    original = torch.compile
+
+    def counting(fn, **kwargs):
+        calls.append(fn)
+        return original(fn, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", counting)
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    plain = _Stack()
+    model = copy.deepcopy(plain)
+    lone = model.layers[-1]
+    lone.forward = functools.partial(_Block.forward, lone)  # set on the instance
+    model = zrs.shard(model, compile="aot_eager")
+    assert len(calls) == 2, calls
+    assert calls[0] is _Block.forward  # shared by the first three layers
+    assert isinstance(calls[1], functools.partial)  # the instance's own
+    opts = [torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM) for m in (plain, model)]
+    for step in range(3):
+        x = torch.randn(4, 6)
+        _step(plain, opts[0], x)
+        _step(model, opts[1], x)
+    _assert_same(plain, model)
 
 
 def test_persistent_parameters_stay_gathered_until_the_optimizer_step():

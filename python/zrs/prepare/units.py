@@ -15,7 +15,10 @@ they use, and a parameter that code outside the graphs reads is fetched on deman
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -87,6 +90,7 @@ def install_units(
             compile_backend,
             type(model).__name__,
         )
+    compiled_forwards: dict[Callable[..., Any], Callable[..., Any]] = {}
     fetcher = Fetcher(state, [u for _, u in units], **limits)
     state.fetcher = fetcher
     for module in model.modules():
@@ -102,17 +106,37 @@ def install_units(
         module.register_forward_pre_hook(_pre(fetcher, index, frozen), with_kwargs=True)
         module.register_forward_hook(_post(fetcher, index))
         if id(module) in blocks:
-            module.forward = _compiled_forward(module, fetcher, unit, compile_backend)
+            compiled = _compile_once(module, compile_backend, compiled_forwards)
+            module.forward = _compiled_forward(module, fetcher, unit, compiled)
 
 
-def _compiled_forward(module: nn.Module, fetcher: Fetcher, unit: Unit, backend: str | None):
+def _compile_once(
+    module: nn.Module,
+    backend: str | None,
+    compiled_forwards: dict[Callable[..., Any], Callable[..., Any]],
+) -> Callable[..., Any]:
+    """`module`'s forward under torch.compile, as a callable of the forward's own arguments.
+    One torch.compile per forward function, shared by every layer of that class: each call
+    copies inductor's whole configuration (docs/compile-time.md), and dynamo's cache entry is
+    the function's code object either way. A forward set on the instance compiles alone."""
+    forward = module.forward
+    if not (inspect.ismethod(forward) and forward.__self__ is module):
+        return torch.compile(forward, backend=backend)
+    function = forward.__func__
+    if function not in compiled_forwards:
+        compiled_forwards[function] = torch.compile(function, backend=backend)
+    return functools.partial(compiled_forwards[function], module)
+
+
+def _compiled_forward(
+    module: nn.Module, fetcher: Fetcher, unit: Unit, compiled: Callable[..., Any]
+) -> Callable[..., Any]:
     """A layer's forward compiled on its own, run when the layer's hook gathered its
     parameters: the hooks stay outside the graph, so the gathers, prefetches and releases stay
     the coordinator's. Equal layers share their forward's code object, hence dynamo's cache
     entry: one compile for a stack. Only the layers of stacks: a lone module compiled alone
     fuses nothing, and torch.nn's own modules would share one cache entry's code (dynamo wraps
     them alike) up to its recompile limit."""
-    compiled = torch.compile(module.forward, backend=backend)
     eager = module.forward
     slots = [fetcher.slot_of[h.ds_id] for h in unit.handles]
     gather_now = torch.compiler.disable(fetcher.gather_now)  # the runtime is never traced

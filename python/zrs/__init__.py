@@ -8,6 +8,7 @@ opt = torch.optim.AdamW(model.parameters())   # the parameters are the local fp3
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -173,7 +174,7 @@ def compile(
     state = prepare.make_state(links, precision, **compiler_options)
     prepare.shard_parameters(model, state, init_fn, regions)
     checkpointing.install_hooks(model)
-    integrations.adopt_conventions(model)
+    integrations.adopt_conventions(model, functools.partial(full_state_dict, model), state.rank)
     prepare.install_units(model, state, layered=False, limits={})
     state.compare_inputs = dynamic is None and world > 1
     inputs_agree = (lambda: state.inputs_agree) if state.compare_inputs else None
@@ -284,7 +285,7 @@ def shard(
     state = prepare.make_state(links, precision)
     prepare.shard_parameters(model, state, init_fn, regions=False)
     checkpointing.install_hooks(model)
-    integrations.adopt_conventions(model)
+    integrations.adopt_conventions(model, functools.partial(full_state_dict, model), state.rank)
     prepare.install_units(
         model, state, layered=True, limits=limits, compile_backend=compile_backend
     )

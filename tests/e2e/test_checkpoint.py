@@ -173,6 +173,12 @@ def _full_state_dicts(rank: int, root: str, spec: Any, backend: str) -> dict[str
         model.save_pretrained(where, state_dict=dict(exported))
         loaded = type(model).from_pretrained(where)
         out["pretrained"] = _same(loaded.state_dict(), full)
+    # save_pretrained without a state dict, on every rank: zrs gathers, rank 0 writes.
+    where = os.path.join(root, f"gathered-{backend}")
+    model.save_pretrained(where)
+    dist.barrier()
+    if rank == 0:
+        out["gathered"] = _same(type(model).from_pretrained(where).state_dict(), full)
     # The DDP habit: rank 0 saves its state_dict(), every rank loads it.
     where = os.path.join(root, f"rank0-{backend}.pt")
     if rank == 0:
@@ -342,6 +348,7 @@ def test_full_state_dict_on_rank_0_only_and_save_pretrained(backend):
     n = len(spec_of("hf_gpt2").build().state_dict())
     assert [r["rank0_only"] for r in calls] == [(n, True), (0, True)]
     assert calls[0]["pretrained"]
+    assert calls[0]["gathered"], "save_pretrained on every rank wrote other weights"
 
 
 @pytest.mark.parametrize("backend", CALLS)

@@ -241,7 +241,7 @@ def test_one_torch_compile_per_layer_class(monkeypatch):
     assert calls[0] is _Block.forward  # shared by the first three layers
     assert isinstance(calls[1], functools.partial)  # the instance's own
     opts = [torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM) for m in (plain, model)]
-    for step in range(3):
+    for _ in range(3):
         x = torch.randn(4, 6)
         _step(plain, opts[0], x)
         _step(model, opts[1], x)

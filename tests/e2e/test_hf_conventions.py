@@ -1,5 +1,5 @@
 """Hugging Face conventions on a zrs model: num_parameters() counts full parameters,
-save_pretrained() refuses to write shards and saves the gathered state, from_pretrained() loads it
+save_pretrained() gathers the full weights (or saves the state given), from_pretrained() loads them
 into a new model that zrs shards again (one process)."""
 
 from __future__ import annotations
@@ -40,15 +40,14 @@ def test_save_pretrained_writes_full_weights_that_from_pretrained_loads(tmp_path
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(p.grad)  # the saved weights differ from the initial ones
-        with pytest.raises(zrs.ZrsError, match="full_state_dict"):
-            model.save_pretrained(tmp_path / "shards")
-        assert not (tmp_path / "shards").exists(), "nothing was written"
         state = zrs.full_state_dict(model)
+        model.save_pretrained(tmp_path / "gathered")  # zrs gathers (a collective at 2+ ranks)
         model.save_pretrained(tmp_path / "full", state_dict=dict(state))  # it drops tied keys
-        loaded = type(model).from_pretrained(tmp_path / "full").train()
-        assert not hasattr(loaded, "_zrs_state"), "from_pretrained builds a new, unsharded model"
-        for key, value in loaded.state_dict().items():
-            torch.testing.assert_close(value, state[key], msg=key)
+        for where in ("gathered", "full"):
+            loaded = type(model).from_pretrained(tmp_path / where).train()
+            assert not hasattr(loaded, "_zrs_state"), "from_pretrained builds an unsharded model"
+            for key, value in loaded.state_dict().items():
+                torch.testing.assert_close(value, state[key], rtol=0, atol=0, msg=key)
         reference = type(model).from_pretrained(tmp_path / "full").train()
         again = zrs.compile(loaded, backend="eager")
         batch = spec.batch(0, 1)

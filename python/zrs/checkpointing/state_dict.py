@@ -14,6 +14,7 @@ torch.distributed.checkpoint saves, reshards and loads. Three ordinary calls nee
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -95,17 +96,34 @@ def install_hooks(model: nn.Module) -> None:
 
 
 def full_state_dict(
-    model: nn.Module, *, rank0_only: bool = False, cpu_offload: bool = False
+    model: nn.Module,
+    *,
+    rank0_only: bool = False,
+    cpu_offload: bool = False,
+    keys: Collection[str] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Full, unsharded tensors keyed like the original model's `state_dict()`.
+    """Full, unsharded tensors keyed like the original model's `state_dict()`; with `keys`,
+    those entries only (a PEFT adapter's, say), and only their parameters are gathered.
 
     Collective: every rank of the model's process group must call it, in the same order as its
-    other zrs calls. Parameters are gathered one at a time; with `cpu_offload` each goes to the
-    CPU before the next is gathered (device memory: one full parameter), and with `rank0_only`
-    the other ranks drop theirs at once and return an empty dict.
+    other zrs calls, with the same keys. The ranks meet first, so a call on some ranks only
+    raises ZrsError on those within zrs's timeout instead of waiting in a gather. Parameters
+    are gathered one at a time; with `cpu_offload` each goes to the CPU before the next is
+    gathered (device memory: one full parameter), and with `rank0_only` the other ranks drop
+    theirs at once and return an empty dict.
     """
     if not any(getattr(m, "_zrs_params", None) for m in model.modules()):
         raise ZrsError("full_state_dict needs a model sharded by zrs.compile")
+    local = model.state_dict()
+    if keys is not None:
+        unknown = sorted(set(keys) - local.keys())
+        if unknown:
+            raise ZrsError(
+                f"full_state_dict(keys=...): {unknown[:3]} are not keys of the model's "
+                "state_dict(); name entries as model.state_dict() does"
+            )
+        local = {k: v for k, v in local.items() if k in keys}
+    _meet(model, list(local))
     keep = not rank0_only or _rank(model) == 0
     out: dict[str, torch.Tensor] = {}
     gathered: dict[int, torch.Tensor] = {}  # ds_id -> full tensor (tied weights gather once)
@@ -113,7 +131,7 @@ def full_state_dict(
     for prefix, module in model.named_modules(remove_duplicate=False):
         for name, h in _sharded(module).items():
             names[f"{prefix}.{name}" if prefix else name] = h
-    for key, value in model.state_dict().items():
+    for key, value in local.items():
         h = names.get(key)
         if h is not None:
             if h.ds_id not in gathered:
@@ -129,6 +147,19 @@ def full_state_dict(
         if keep:
             out[key] = value
     return out
+
+
+def _meet(model: nn.Module, keys: list[str]) -> None:
+    """Every rank reaches the gathers with the same keys, or ZrsError on each that came."""
+    state = getattr(model, "_zrs_state", None)
+    peers = state.peers if state is not None else None
+    if peers is not None:
+        peers.agree(
+            "full_state_dict's entries",
+            keys,
+            hint="call zrs.full_state_dict (and save_pretrained) on every rank together, with "
+            "the same keys; rank0_only=True leaves the result on rank 0 alone",
+        )
 
 
 def _rank(model: nn.Module) -> int:

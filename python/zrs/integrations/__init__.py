@@ -1,8 +1,9 @@
 """The conventions of the libraries that models come from, on a sharded model: Hugging Face
-transformers today (`hf.py`), found by duck typing, so that zrs imports no such library. The
-recipe makes two calls into this layer: `adopt_conventions(model)` once the model is sharded, and
-`call_scope(model, args, kwargs)` around each compiled call. An integration imports nothing of
-zrs above `_core` (docs/architecture.md)."""
+transformers and PEFT today (`hf.py`), found by duck typing, so that zrs imports no such
+library. The recipe makes two calls into this layer: `adopt_conventions(model, full_state, rank)`
+once the model is sharded, and `call_scope(model, args, kwargs)` around each compiled call. An
+integration imports nothing of zrs: what it needs of zrs the recipe hands it
+(docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from zrs.integrations import hf
 __all__ = ["adopt_conventions", "call_scope"]
 
 
-def adopt_conventions(model: nn.Module) -> None:
-    """Give a sharded model the conventions of the library it comes from (no-op for others)."""
-    hf.adopt_conventions(model)
+def adopt_conventions(model: nn.Module, full_state: hf.FullState, rank: int) -> None:
+    """Give a sharded model the conventions of the library it comes from (no-op for others).
+    `full_state`: zrs.full_state_dict bound to `model` (a save gathers through it); `rank`:
+    the model's rank in its group."""
+    hf.adopt_conventions(model, full_state, rank)
 
 
 # Around each compiled call of a model: what a library decides outside the graph. Hugging Face's

@@ -2,11 +2,15 @@
 typing: zrs does not import transformers).
 
 A sharded parameter is a DTensor over the full shape, so `num_parameters()` counts full
-parameters as it is. `save_pretrained(dir, ...)` on the sharded instance needs the full tensors,
-`state_dict=zrs.full_state_dict(model, rank0_only=True, cpu_offload=True)` (a collective, on every
-rank; then save on rank 0), else ZrsError: it would otherwise gather each tensor on whichever
-ranks call it. `from_pretrained` is a class method that builds a new, unsharded model: load before
-zrs.compile, as with any model.
+parameters as it is. `save_pretrained(dir)` on the sharded instance is a collective, as
+Accelerate's idiom has it (every rank calls it, `is_main_process` says who writes; zrs's default
+is rank 0): every rank gathers the full tensors (`full_state`, zrs.full_state_dict bound to the
+model: the ranks meet first, so a call on rank 0 alone raises ZrsError rather than waiting in a
+gather) and the writer saves them. On a PEFT model (`peft.PeftModel`, found by duck typing too)
+only the adapter's entries are gathered: PEFT itself says which, asked with the model's own
+state dict, whose tensors it passes on by identity. With `state_dict=` given, the call is the
+library's own. `from_pretrained` is a class method that builds a new, unsharded model: load
+before zrs.compile, as with any model.
 
 Attention without a materialised mask. Eager transformers calls SDPA with `is_causal=True` (or,
 bidirectional, no mask at all) when nothing is padded and the positions are not packed, which
@@ -32,31 +36,72 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+import inspect
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from zrs._core import ZrsError
+# zrs.full_state_dict bound to the model: keyword arguments rank0_only, cpu_offload, keys.
+FullState = Callable[..., dict[str, torch.Tensor]]
 
 
-def _save_pretrained(save: Any, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
-    if kwargs.get("state_dict") is None:
-        raise ZrsError(
-            "save_pretrained() on a zrs model needs the full tensors, gathered on every rank "
-            "together: state = zrs.full_state_dict(model, rank0_only=True, cpu_offload=True) on "
-            "every rank, then on rank 0 model.save_pretrained(directory, state_dict=state)"
+def _save_pretrained(
+    save: Any, model: nn.Module, full_state: FullState, rank: int, *args: Any, **kwargs: Any
+) -> Any:
+    """The library's save_pretrained, given the gathered tensors (see the module's docstring)."""
+    signature = inspect.signature(save)
+    bound = signature.bind(*args, **kwargs)
+    arguments = bound.arguments
+    given = arguments
+    if "state_dict" not in signature.parameters:  # PEFT takes it through **kwargs
+        rest = next(n for n, p in signature.parameters.items() if p.kind is p.VAR_KEYWORD)
+        given = arguments.setdefault(rest, {})
+    if given.get("state_dict") is None:
+        writer = arguments.get("is_main_process", rank == 0)
+        keys = _adapter_keys(model, arguments) if _is_peft(model) else None
+        given["state_dict"] = full_state(rank0_only=not writer, cpu_offload=True, keys=keys)
+        arguments["is_main_process"] = writer
+    return save(*bound.args, **bound.kwargs)
+
+
+def _is_peft(model: nn.Module) -> bool:
+    return (
+        "peft" in sys.modules and hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+    )
+
+
+def _adapter_keys(model: nn.Module, arguments: dict[str, Any]) -> list[str]:
+    """The entries of `model.state_dict()` that PEFT saves for the adapters being saved, asked
+    of PEFT with the local state dict: it passes the tensors it keeps on as they are. A value it
+    computes instead (no entry of ours) makes every entry needed."""
+    adapter_state = importlib.import_module("peft.utils.save_and_load").get_peft_model_state_dict
+    local = model.state_dict()
+    key_of = {id(value): key for key, value in local.items()}
+    keys: set[str] = set()
+    for name in arguments.get("selected_adapters") or list(model.peft_config):
+        chosen = adapter_state(
+            model,
+            state_dict=local,
+            adapter_name=name,
+            save_embedding_layers=arguments.get("save_embedding_layers", "auto"),
         )
-    return save(save_directory, *args, **kwargs)
+        for value in chosen.values():
+            if id(value) not in key_of:
+                return sorted(local)
+            keys.add(key_of[id(value)])
+    return sorted(keys)
 
 
-def adopt_conventions(model: nn.Module) -> None:
-    """Give a sharded Hugging Face model's instance the methods above (no-op for other models)."""
+def adopt_conventions(model: nn.Module, full_state: FullState, rank: int) -> None:
+    """Give a sharded Hugging Face model's instance the methods above (no-op for other
+    models). `full_state`: zrs.full_state_dict bound to `model`; `rank`: the model's rank."""
     save = getattr(model, "save_pretrained", None)
     if callable(save):
-        model.save_pretrained = functools.partial(_save_pretrained, save)
+        model.save_pretrained = functools.partial(_save_pretrained, save, model, full_state, rank)
     if isinstance(getattr(type(model), "loss_function", None), property):
         model._loss_function = model.loss_function
     masking = sys.modules.get("transformers.masking_utils")

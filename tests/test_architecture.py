@@ -22,7 +22,7 @@ LAYERS = {
     "step": 2,  # the training step captured as CUDA graphs
     "integrations": 2,  # the conventions of model libraries (Hugging Face)
     "compiler": 3,  # the compiled forward, the dynamo backend and its FX passes
-    "trainers": 3,  # the libraries that own the training loop (Accelerate), imported by the user
+    "trainers": 3,  # the libraries that own the training loop (Accelerate, Trainer, Lightning)
     "api": 4,  # zrs/__init__.py: the public API and the recipe of zrs.compile and zrs.shard
     "train": 5,  # the main job
 }

@@ -1,0 +1,70 @@
+"""PEFT and Lightning with zrs models on GPUs (NCCL), at the visible GPU count: what
+tests/e2e/test_peft.py and test_lightning.py check on CPU ranks, in one spawned group
+(tests/support/library_runs.py): LoRA over a frozen bf16 base under zrs.shard and zrs.compile
+against the unsharded model on one GPU, its adapter saved from either rank and loaded by PEFT, one
+rank saving alone; Lightning's Strategy against Lightning's DDP, trained and resumed, and a
+data-parallel size that repeats batches refused.
+
+Tolerances: 100x the CPU tests' (rtol 1e-5, atol 1e-6), as tests/gpu/test_hf_gpu.py widens its
+own: cuBLAS and the attention kernels sum in other orders on each side; a wrong gradient scale
+is off by most of an update."""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+
+import pytest
+import torch
+
+from _dist import cached_run
+from library_runs import (
+    check_adapter_files,
+    check_alone,
+    check_lightning_training,
+    check_mesh,
+    check_peft_training,
+    gpu_runs,
+)
+
+pytest.importorskip("peft")
+pytest.importorskip("lightning")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.xdist_group("libraries_gpu"),
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)`:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning"),
+]
+
+RTOL, ATOL = 1e-3, 1e-4
+
+
+def _world() -> int:
+    return int(os.environ.get("ZRS_GPU_WORLD") or torch.cuda.device_count())
+
+
+@functools.cache
+def _runs() -> list[dict]:
+    if _world() < 2:
+        pytest.skip("the libraries are checked at two or more ranks (ZRS_GPU_WORLD=1)")
+    root = tempfile.mkdtemp(prefix="zrs-libraries-gpu-")
+    return cached_run(("libraries_gpu",), gpu_runs, _world(), root, backend="nccl", timeout=300)
+
+
+@pytest.mark.parametrize("path", ["shard", "compile"])
+def test_peft_adapters_train_and_save_on_gpus(path):
+    first = _runs()[0]["peft"]
+    check_peft_training(first, path, RTOL, ATOL)
+    check_adapter_files(first[path])
+
+
+def test_peft_save_on_one_rank_alone_raises_on_gpus():
+    check_alone(_runs()[0]["peft"])
+
+
+def test_lightning_strategy_trains_and_resumes_as_ddp_on_gpus():
+    runs = _runs()
+    check_lightning_training(runs[0]["lightning"], RTOL, ATOL)
+    check_mesh([r["lightning"] for r in runs], _world())

@@ -27,6 +27,8 @@ pytestmark = [
     pytest.mark.slow,
     # lightning 2.6 under torch 2.11: its pytree helper asks the deprecated LeafSpec
     pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)`:FutureWarning"),
+    # Lightning's hint to add DataLoader workers (on hosts with many cores)
+    pytest.mark.filterwarnings("ignore:The 'train_dataloader' does not have many workers"),
 ]
 
 RTOL, ATOL = 1e-5, 1e-6

@@ -26,6 +26,7 @@ from library_runs import (
     check_mesh,
     check_peft_training,
     gpu_runs,
+    lightning_runs,
 )
 
 pytest.importorskip("peft")
@@ -35,7 +36,12 @@ pytestmark = [
     pytest.mark.xdist_group("libraries_gpu"),
     pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
     pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)`:FutureWarning"),
+    # Lightning's hint to add DataLoader workers (on hosts with many cores)
+    pytest.mark.filterwarnings("ignore:The 'train_dataloader' does not have many workers"),
     pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning"),
+    # Lightning's DDP (the reference) builds DDP on a side stream: torch 2.11 warns at its
+    # first backward (seen with DDP alone, never with zrs's Strategy alone; session 33)
+    pytest.mark.filterwarnings("ignore:The AccumulateGrad node's stream does not match"),
 ]
 
 RTOL, ATOL = 1e-3, 1e-4
@@ -64,7 +70,17 @@ def test_peft_save_on_one_rank_alone_raises_on_gpus():
     check_alone(_runs()[0]["peft"])
 
 
+@functools.cache
+def _ddp_on_cpu() -> dict:
+    root = tempfile.mkdtemp(prefix="zrs-libraries-cpu-")
+    return cached_run(("libraries_cpu",), lightning_runs, _world(), root, "cpu", timeout=300)[0]
+
+
 def test_lightning_strategy_trains_and_resumes_as_ddp_on_gpus():
+    """Against Lightning's DDP on CPU ranks. Its DDP on two H200s ended 0.15 away from its own
+    CPU run on this model (session 33, not explained), while zrs's GPU run moved from its
+    uninterrupted run by the resume exactly as both systems do on CPU ranks (0.0144 on the
+    embedding), so DDP on the GPUs is not the reference here."""
     runs = _runs()
-    check_lightning_training(runs[0]["lightning"], RTOL, ATOL)
+    check_lightning_training(runs[0]["lightning"], RTOL, ATOL, reference=_ddp_on_cpu())
     check_mesh([r["lightning"] for r in runs], _world())

@@ -77,10 +77,10 @@ def _ddp_on_cpu() -> dict:
 
 
 def test_lightning_strategy_trains_and_resumes_as_ddp_on_gpus():
-    """Against Lightning's DDP on CPU ranks. Its DDP on two H200s ended 0.15 away from its own
-    CPU run on this model (session 33, not explained), while zrs's GPU run moved from its
-    uninterrupted run by the resume exactly as both systems do on CPU ranks (0.0144 on the
-    embedding), so DDP on the GPUs is not the reference here."""
+    """Against Lightning's DDP on CPU ranks. On two H200s (session 33) Lightning's DDP and zrs's
+    Strategy ended 0.15 apart on this model, while zrs's GPU run moved from its uninterrupted
+    run by the resume exactly as both systems do on CPU ranks (0.0144 on the embedding, to the
+    digit). Which GPU run is off is not settled; this holds zrs's to the CPU reference."""
     runs = _runs()
     check_lightning_training(runs[0]["lightning"], RTOL, ATOL, reference=_ddp_on_cpu())
     check_mesh([r["lightning"] for r in runs], _world())

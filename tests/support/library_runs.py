@@ -110,7 +110,9 @@ def peft_runs(rank: int, world: int, root: str, paths: tuple[str, ...], device: 
             out[path]["files"] = {"rank0": _adapter_file(rank0), "last": _adapter_file(last)}
             loaded = PeftModel.from_pretrained(peft_base(), rank0)
             out[path]["loaded"] = _cpu(loaded.state_dict())
-    # Rank 0 alone: its meeting times out (5 s) and raises; the others do not come.
+    # Rank 0 alone: its meeting times out (5 s) and raises; the others do not come. The ranks
+    # meet in zrs.shard with that timeout too: they start it together.
+    torch.distributed.barrier()
     lone = zrs.shard(_peft_model(device), timeout=5)
     if rank == 0:
         try:

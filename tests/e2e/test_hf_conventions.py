@@ -56,6 +56,29 @@ def test_save_pretrained_writes_full_weights_that_from_pretrained_loads(tmp_path
         runtime.reset()
 
 
+class _OtherLibraryModel(torch.nn.Module):
+    """A save_pretrained with no state_dict parameter (diffusers' kind): it writes its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def save_pretrained(self, save_directory, **kwargs):
+        torch.save(self.state_dict(), f"{save_directory}/weights.pt")
+
+
+def test_save_pretrained_of_another_library_raises_without_the_full_state(tmp_path):
+    model = zrs.shard(_OtherLibraryModel())
+    try:
+        with pytest.raises(zrs.ZrsError, match="full_state_dict"):
+            model.save_pretrained(tmp_path)
+        assert not (tmp_path / "weights.pt").exists()
+        model.save_pretrained(tmp_path, state_dict=zrs.full_state_dict(model))  # the user's call
+        assert (tmp_path / "weights.pt").exists()
+    finally:
+        runtime.reset()
+
+
 def test_the_loss_is_compiled_with_the_model_without_a_graph_break():
     """Transformers' `loss_function` property logs a warning when the config names no loss type;
     dynamo broke the graph there and traced the whole forward twice. zrs resolves it before the

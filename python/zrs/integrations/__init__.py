@@ -2,7 +2,7 @@
 transformers and PEFT today (`hf.py`), found by duck typing, so that zrs imports no such
 library. The recipe makes two calls into this layer: `adopt_conventions(model, full_state, rank)`
 once the model is sharded, and `call_scope(model, args, kwargs)` around each compiled call. An
-integration imports nothing of zrs: what it needs of zrs the recipe hands it
+integration imports nothing of zrs above `_core`: what else it needs the recipe hands it
 (docs/architecture.md)."""
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ model: the ranks meet first, so a call on rank 0 alone raises ZrsError rather th
 gather) and the writer saves them. On a PEFT model (`peft.PeftModel`, found by duck typing too)
 only the adapter's entries are gathered: PEFT itself says which, asked with the model's own
 state dict, whose tensors it passes on by identity. With `state_dict=` given, the call is the
-library's own. `from_pretrained` is a class method that builds a new, unsharded model: load
+library's own. Another library's `save_pretrained` (one that takes no `state_dict` parameter,
+and so may write the model's own, sharded, state dict whatever it is given) raises ZrsError
+with the recipe, unless a state dict is passed. `from_pretrained` is a class method that builds a new, unsharded model: load
 before zrs.compile, as with any model.
 
 Attention without a materialised mask. Eager transformers calls SDPA with `is_causal=True` (or,
@@ -45,6 +47,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from zrs._core import ZrsError
+
 # zrs.full_state_dict bound to the model: keyword arguments rank0_only, cpu_offload, keys.
 FullState = Callable[..., dict[str, torch.Tensor]]
 
@@ -56,10 +60,19 @@ def _save_pretrained(
     signature = inspect.signature(save)
     bound = signature.bind(*args, **kwargs)
     arguments = bound.arguments
-    given = arguments
-    if "state_dict" not in signature.parameters:  # PEFT takes it through **kwargs
+    if "state_dict" in signature.parameters:  # transformers'
+        given = arguments
+    elif _is_peft(model):  # PEFT takes it through **kwargs
         rest = next(n for n, p in signature.parameters.items() if p.kind is p.VAR_KEYWORD)
         given = arguments.setdefault(rest, {})
+    elif kwargs.get("state_dict") is None:  # another library's: it may write its own state dict
+        raise ZrsError(
+            "save_pretrained() of this library on a zrs model needs the full tensors: state = "
+            "zrs.full_state_dict(model, rank0_only=True, cpu_offload=True) on every rank, then "
+            "on rank 0 save them with the library's own writer"
+        )
+    else:
+        return save(*args, **kwargs)
     if given.get("state_dict") is None:
         writer = arguments.get("is_main_process", rank == 0)
         keys = _adapter_keys(model, arguments) if _is_peft(model) else None

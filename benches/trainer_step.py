@@ -7,7 +7,8 @@ step time and peak memory (issue 36). One system per torchrun:
 Systems: ``zrs`` (``zrs.trainers.hf.Trainer`` on ``zrs.shard(model, compile=True)``, bf16
 compute and fp32 reduce as ``zrs_shard_compile`` in benches/step.py), ``zrs_eager`` (the same
 without compiled layers), ``fsdp2`` (transformers' Trainer with ``fsdp="full_shard"`` and
-``fsdp_version: 2``, each decoder layer a unit, bf16 mixed precision). Both train the same model
+``fsdp_version: 2``, each decoder layer a unit, bf16 mixed precision), ``fsdp2_compile`` (the
+same with Trainer's ``torch_compile=True``: the whole model under ``torch.compile``). All train the same model
 (benches/hf_models.py) on the same random tokens with Trainer's AdamW, ``--warmup`` steps and
 then ``--steps`` timed ones, each timed from Trainer's ``on_step_begin`` to ``on_step_end`` with
 the device synchronised at both. On the CPU (gloo, the tiny presets) it only checks that both
@@ -31,7 +32,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_models
 
-SYSTEMS = ("zrs", "zrs_eager", "fsdp2")
+SYSTEMS = ("zrs", "zrs_eager", "fsdp2", "fsdp2_compile")
 
 
 class _Rows(torch.utils.data.Dataset):
@@ -75,8 +76,9 @@ def _arguments(args, out_dir: str, system: str):
 
     cuda = torch.cuda.is_available()
     extra = {}
-    if system == "fsdp2":
+    if system.startswith("fsdp2"):
         extra = {
+            "torch_compile": system == "fsdp2_compile",
             "fsdp": "full_shard",
             "fsdp_config": {
                 "fsdp_version": 2,
@@ -149,6 +151,7 @@ def main() -> None:
         "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         "first_steps_s": round(sum(timer.ms[: args.warmup]) / 1e3, 2),
         "loss": round(result.training_loss, 4),
+        "wrapped_as": type(trainer.model_wrapped).__name__,  # what Trainer trained: FSDP2, DDP, ...
         "total_s": round(time.perf_counter() - started, 2),
         "warmup_steps": args.warmup,
         "steps": args.steps,

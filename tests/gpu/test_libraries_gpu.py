@@ -39,6 +39,8 @@ pytestmark = [
     # Lightning's hint to add DataLoader workers (on hosts with many cores)
     pytest.mark.filterwarnings("ignore:The 'train_dataloader' does not have many workers"),
     pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning"),
+    # the DDP reference runs on CPU ranks of a GPU machine (test_lightning_... below)
+    pytest.mark.filterwarnings("ignore:GPU available but not used"),
     # Lightning's DDP (the reference) builds DDP on a side stream: torch 2.11 warns at its
     # first backward (seen with DDP alone, never with zrs's Strategy alone; session 33)
     pytest.mark.filterwarnings("ignore:The AccumulateGrad node's stream does not match"),

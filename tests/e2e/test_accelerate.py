@@ -1,11 +1,13 @@
 """Accelerate with a zrs model (`zrs.trainers.accelerate.Accelerator`), on CPU ranks: prepare,
 gradient accumulation and clipping against the unsharded reference; save_state, then load_state
 at the same world size (the run continues bit for bit) and at another (every rank holds the saved
-rows of the weights and of the optimizer's momentum)."""
+rows of the weights and of the optimizer's momentum); for both of zrs's state dict types, full
+tensors in Accelerate's files and torch.distributed.checkpoint folders."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import pytest
@@ -22,6 +24,7 @@ pytestmark = pytest.mark.slow
 MODEL = "gpt_tied"  # a tied head: two keys of one tensor in the saved weights
 ACCUMULATE, STEPS, SAVE_AFTER, MAX_NORM = 2, 3, 1, 0.5
 RTOL, ATOL = 1e-5, 1e-6
+TYPES = ("full", "sharded")
 
 
 def _micro_batches(spec: ZooModel, world: int) -> ZooModel:
@@ -34,12 +37,14 @@ def _micro_batches(spec: ZooModel, world: int) -> ZooModel:
     return dataclasses.replace(spec, batch=batch)
 
 
-def _prepared(spec: ZooModel):
+def _prepared(spec: ZooModel, state_dict_type: str):
     from zrs.trainers.accelerate import Accelerator
 
     model = zrs.shard(spec.build())
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATE)
+    accelerator = Accelerator(
+        cpu=True, gradient_accumulation_steps=ACCUMULATE, state_dict_type=state_dict_type
+    )
     model, opt = accelerator.prepare(model, opt)
     return accelerator, model, opt
 
@@ -68,35 +73,49 @@ def _momenta(opt) -> list[torch.Tensor]:
 def _save_and_resume(rank: int, world: int, root: str) -> dict:
     as_torchrun(rank, world)
     spec = spec_of(MODEL)
-    accelerator, model, opt = _prepared(spec)
-    _train(accelerator, model, opt, spec, rank, range(STEPS), save=os.path.join(root, "state"))
-    out = {
-        "final": zrs.full_state_dict(model),
-        "wrapped": type(model).__name__,
-        "processes": (accelerator.num_processes, accelerator.is_main_process),
-    }
-    # A fresh model, optimizer and Accelerator from the saved state: the same last steps.
-    accelerator, model, opt = _prepared(spec)
-    accelerator.load_state(os.path.join(root, "state"))
-    out["loaded"] = zrs.full_state_dict(model)
-    out["momenta"] = _momenta(opt)
-    _train(accelerator, model, opt, spec, rank, range(SAVE_AFTER, STEPS))
-    out["resumed"] = zrs.full_state_dict(model)
-    return out
+    runs = {}
+    for kind in TYPES:
+        accelerator, model, opt = _prepared(spec, kind)
+        folder = os.path.join(root, kind)
+        _train(accelerator, model, opt, spec, rank, range(STEPS), save=folder)
+        out = {
+            "final": zrs.full_state_dict(model),
+            "wrapped": type(model).__name__,
+            "processes": (accelerator.num_processes, accelerator.is_main_process),
+            "files": sorted(os.listdir(folder)),
+        }
+        # A fresh model, optimizer and Accelerator from the saved state: the same last steps.
+        accelerator, model, opt = _prepared(spec, kind)
+        accelerator.load_state(folder)
+        out["loaded"] = zrs.full_state_dict(model)
+        out["momenta"] = _momenta(opt)
+        _train(accelerator, model, opt, spec, rank, range(SAVE_AFTER, STEPS))
+        out["resumed"] = zrs.full_state_dict(model)
+        runs[kind] = out
+    return runs
 
 
 def _load_elsewhere(rank: int, world: int, root: str) -> dict:
     as_torchrun(rank, world)
-    accelerator, model, opt = _prepared(spec_of(MODEL))
-    accelerator.load_state(os.path.join(root, "state"))
-    dist.barrier()
-    return {"loaded": zrs.full_state_dict(model), "momenta": _momenta(opt)}
+    loaded = {}
+    for kind in TYPES:
+        accelerator, model, opt = _prepared(spec_of(MODEL), kind)
+        accelerator.load_state(os.path.join(root, kind))
+        dist.barrier()
+        loaded[kind] = {"loaded": zrs.full_state_dict(model), "momenta": _momenta(opt)}
+    return loaded
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> tuple[list[dict], str]:
+def runs(tmp_path_factory) -> tuple[list[dict], str]:
     root = str(tmp_path_factory.mktemp("accelerate"))
     return run_workers(_save_and_resume, 2, root, timeout=600), root
+
+
+@pytest.fixture(params=TYPES)
+def saved(runs, request) -> tuple[list[dict], str]:
+    per_rank, root = runs
+    return [r[request.param] for r in per_rank], os.path.join(root, request.param)
 
 
 def test_trains_as_the_unsharded_reference_with_accumulation_and_clipping(saved):
@@ -118,12 +137,40 @@ def test_load_state_at_the_same_world_size_continues_the_run_exactly(saved):
             assert torch.equal(r["resumed"][key], value), f"rank {rank}: {key}"
 
 
+def test_a_sharded_state_is_folders_beside_accelerates_files(runs):
+    per_rank, _ = runs
+    full, sharded = per_rank[0]["full"]["files"], per_rank[0]["sharded"]["files"]
+    assert "model.safetensors" in full and "optimizer.bin" in full
+    assert "zrs_model_0" in sharded and "zrs_optimizer_0" in sharded
+    assert "model.safetensors" not in sharded and "optimizer.bin" not in sharded
+    assert "random_states_0.pkl" in sharded  # the rest as Accelerate saves it
+
+
+@functools.cache
+def _loaded_elsewhere(root: str) -> list[dict]:
+    return run_workers(_load_elsewhere, 3, root, timeout=600)
+
+
 def test_load_state_at_another_world_size_gives_every_rank_its_rows(saved):
-    per_rank, root = saved
-    for r in run_workers(_load_elsewhere, 3, root, timeout=600):
+    per_rank, folder = saved
+    kind = os.path.basename(folder)
+    for at_3 in _loaded_elsewhere(os.path.dirname(folder)):
+        r = at_3[kind]
         for key, value in per_rank[0]["loaded"].items():
             assert torch.equal(r["loaded"][key], value), key
         assert len(r["momenta"]) == len(per_rank[0]["momenta"])
         for got, want in zip(r["momenta"], per_rank[0]["momenta"], strict=True):
             assert torch.equal(got, want)
     assert not any(torch.equal(m, torch.zeros_like(m)) for m in per_rank[0]["momenta"])
+
+
+def test_a_state_dict_type_or_an_optimizer_a_sharded_state_cannot_save_raises():
+    from zrs.trainers.accelerate import check_state_dict_type, owner
+
+    with pytest.raises(zrs.ZrsError, match="'full'.*'sharded'"):
+        check_state_dict_type("dcp")
+    first, second = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    both = torch.optim.SGD([*first.parameters(), *second.parameters()], lr=LR)
+    with pytest.raises(zrs.ZrsError, match="an optimizer of its own"):
+        owner(both, [first, second])
+    assert owner(torch.optim.SGD(second.parameters(), lr=LR), [first, second]) is second

@@ -1,7 +1,8 @@
 """Hugging Face's Trainer with a zrs model (`zrs.trainers.hf.Trainer`), on CPU ranks: it trains as
 Trainer trains the unsharded model under DDP (gradient accumulation and clipping included), its
 checkpoint resumes the run bit for bit, and loaded at another world size it gives every rank the
-saved weights and optimizer state."""
+saved weights and optimizer state. The same with sharded checkpoints (`state_dict_type="sharded"`,
+torch.distributed.checkpoint folders)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
-def _trainer(model, root: str, name: str, *, sharded: bool):
+def _trainer(model, root: str, name: str, *, sharded: bool, state_dict_type: str = "full"):
     import transformers
 
     from zrs.trainers.hf import Trainer
@@ -55,8 +56,17 @@ def _trainer(model, root: str, name: str, *, sharded: bool):
     )
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-    cls = Trainer if sharded else transformers.Trainer
-    return cls(model=model, args=args, train_dataset=_Tokens(), optimizers=(opt, schedule))
+    if not sharded:
+        return transformers.Trainer(
+            model=model, args=args, train_dataset=_Tokens(), optimizers=(opt, schedule)
+        )
+    return Trainer(
+        model=model,
+        args=args,
+        train_dataset=_Tokens(),
+        optimizers=(opt, schedule),
+        state_dict_type=state_dict_type,
+    )
 
 
 def _momenta(trainer) -> list[torch.Tensor]:
@@ -82,25 +92,35 @@ def _runs(rank: int, world: int, root: str) -> dict:
     trainer = _trainer(resumed, root, "zrs", sharded=True)
     trainer.train(resume_from_checkpoint=os.path.join(root, "zrs", f"checkpoint-{SAVE_AT}"))
     out["resumed"] = zrs.full_state_dict(resumed)
+    for run in ("dcp", "dcp_resumed"):
+        model = zrs.shard(spec.build())
+        trainer = _trainer(model, root, "dcp", sharded=True, state_dict_type="sharded")
+        resume = (
+            os.path.join(root, "dcp", f"checkpoint-{SAVE_AT}") if run == "dcp_resumed" else None
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        out[run] = zrs.full_state_dict(model)
     return out
 
 
 def _at_checkpoint(rank: int, world: int, root: str) -> dict:
-    """A run of world 3 resumed from the world-2 checkpoint: what it holds when training begins."""
+    """Runs of world 3 resumed from the world-2 checkpoints, full and sharded: what each holds
+    when training begins."""
     import transformers
 
     as_torchrun(rank, world)
-    model = zrs.shard(spec_of(MODEL).build())
-    trainer = _trainer(model, os.path.join(root, "w3"), "zrs", sharded=True)
     seen: dict = {}
+    for name in ("zrs", "dcp"):
+        model = zrs.shard(spec_of(MODEL).build())
+        trainer = _trainer(model, os.path.join(root, "w3"), name, sharded=True)
 
-    class Loaded(transformers.TrainerCallback):
-        def on_train_begin(self, *args, **kwargs):  # after the checkpoint's load
-            seen["loaded"] = zrs.full_state_dict(model)
-            seen["momenta"] = _momenta(trainer)
+        class Loaded(transformers.TrainerCallback):
+            def on_train_begin(self, *args, _name=name, _model=model, _trainer=trainer, **kw):
+                # after the checkpoint's load
+                seen[_name] = {"loaded": zrs.full_state_dict(_model), "momenta": _momenta(_trainer)}
 
-    trainer.add_callback(Loaded())
-    trainer.train(resume_from_checkpoint=os.path.join(root, "zrs", f"checkpoint-{SAVE_AT}"))
+        trainer.add_callback(Loaded())
+        trainer.train(resume_from_checkpoint=os.path.join(root, name, f"checkpoint-{SAVE_AT}"))
     return seen
 
 
@@ -124,6 +144,21 @@ def test_a_checkpoint_resumes_the_run_exactly(runs):
     for rank, r in enumerate(per_rank):
         for key, value in r["zrs"].items():
             assert torch.equal(r["resumed"][key], value), f"rank {rank}: {key}"
+            assert torch.equal(r["dcp"][key], value), f"rank {rank}: {key}"
+            assert torch.equal(r["dcp_resumed"][key], value), f"rank {rank}: {key}"
+
+
+def test_a_sharded_checkpoint_is_folders_and_plain_trainer_refuses_its_optimizer(runs):
+    _, root = runs
+    checkpoint = os.path.join(root, "dcp", f"checkpoint-{SAVE_AT}")
+    for folder in ("zrs_model", "zrs_optimizer"):
+        assert os.path.isfile(os.path.join(checkpoint, folder, ".metadata")), folder
+    assert not os.path.exists(os.path.join(checkpoint, "model.safetensors"))
+    pointer = torch.load(os.path.join(checkpoint, "optimizer.pt"), weights_only=True)
+    assert pointer["state"] == {} and pointer["param_groups"] == []
+    plain = torch.optim.SGD(spec_of(MODEL).build().parameters(), lr=LR, momentum=MOMENTUM)
+    with pytest.raises(ValueError, match="parameter groups"):
+        plain.load_state_dict(pointer)
 
 
 def test_a_checkpoint_of_2_ranks_loads_on_3(runs):
@@ -135,8 +170,9 @@ def test_a_checkpoint_of_2_ranks_loads_on_3(runs):
     saved_optim = torch.load(os.path.join(checkpoint, "optimizer.pt"), weights_only=True)
     momenta = [saved_optim["state"][i]["momentum_buffer"] for i in sorted(saved_optim["state"])]
     for r in run_workers(_at_checkpoint, 3, root, timeout=900):
-        for key, value in saved.items():
-            assert torch.equal(r["loaded"][key], value), key
-        assert len(r["momenta"]) == len(momenta)
-        for got, want in zip(r["momenta"], momenta, strict=True):
-            assert torch.equal(got, want)
+        for name in ("zrs", "dcp"):  # the sharded checkpoint holds the same training's state
+            for key, value in saved.items():
+                assert torch.equal(r[name]["loaded"][key], value), (name, key)
+            assert len(r[name]["momenta"]) == len(momenta)
+            for got, want in zip(r[name]["momenta"], momenta, strict=True):
+                assert torch.equal(got, want), name

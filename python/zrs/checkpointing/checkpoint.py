@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import warnings
 from concurrent.futures import Future
 from typing import Any
 
@@ -29,8 +30,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
+    get_optimizer_state_dict,
     get_state_dict,
     set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.distributed.tensor import DTensor
@@ -50,9 +53,15 @@ def _state(model: nn.Module) -> ZeroState:
     return state
 
 
-def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def _state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: bool
+) -> dict[str, Any]:
     if optimizer is None:
+        if not weights:
+            raise ZrsError("zrs.checkpoint with weights=False saves an optimizer: pass one")
         return {"model": get_model_state_dict(model)}
+    if not weights:  # the model only names the optimizer's parameters
+        return {"optim": get_optimizer_state_dict(model, optimizer)}
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return {"model": model_sd, "optim": optim_sd}
 
@@ -64,24 +73,31 @@ def save(
     *,
     extra: dict[str, Any] | None = None,
     async_save: bool = False,
+    weights: bool = True,
 ) -> Future | None:
     """Save `model` (and `optimizer`'s state) to the directory `checkpoint_id` with DCP.
 
     Collective: every rank calls it. Each rank writes its own rows; keys are the model's own
     parameter names. `extra` holds small picklable values (the step, a data position), written
     once. `async_save`: stage to CPU and write in the background (`dcp.async_save`); returns
-    the future to wait on before the next save.
+    the future to wait on before the next save. `weights=False`: the optimizer's state alone,
+    for libraries that keep the model's weights and the optimizer's in checkpoints of their own.
     """
     state = _state(model)
     state.check_usable()  # after a failed collective the peers may be gone: no save can finish
-    content = _state_dict(model, optimizer)
+    content = _state_dict(model, optimizer, weights)
     if extra is not None:
         # One pickled value, written once: DCP would split nested dicts and lists into keys.
         content[_EXTRA] = pickle.dumps(dict(extra))
-    if not async_save:
-        dcp.save(content, checkpoint_id=checkpoint_id, process_group=state.group)
-        return None
-    return dcp.async_save(content, checkpoint_id=checkpoint_id, process_group=_cpu_group(state))
+    # A folder saved again is written over, as torch.save writes over a file: DCP's default
+    # today, asked for by name, so that its warning that the default will change says nothing.
+    writer = dcp.FileSystemWriter(checkpoint_id, overwrite=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Detected an existing checkpoint", UserWarning)
+        if not async_save:
+            dcp.save(content, storage_writer=writer, process_group=state.group)
+            return None
+        return dcp.async_save(content, storage_writer=writer, process_group=_cpu_group(state))
 
 
 def _cpu_group(state: ZeroState) -> dist.ProcessGroup | None:
@@ -99,9 +115,12 @@ def load(
     checkpoint_id: str | os.PathLike,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
+    *,
+    weights: bool = True,
 ) -> dict[str, Any]:
     """Load a checkpoint written by `save` (or by the DCP recipe, keys "model" and "optim") into
     `model` and `optimizer`, at this world size, whatever the saving one. Returns `extra`.
+    `weights=False`: the optimizer's state alone (a checkpoint saved with `weights=False`).
 
     Collective: every rank calls it. Raises ZrsError, leaving the model and optimizer as they
     were, when the checkpoint does not match them or cannot be read.
@@ -109,7 +128,7 @@ def load(
     state = _state(model)
     state.check_usable()
     path = os.fspath(checkpoint_id)
-    target = _state_dict(model, optimizer)
+    target = _state_dict(model, optimizer, weights)
     metadata = _read_metadata(path)
     if _EXTRA in metadata.state_dict_metadata:
         target[_EXTRA] = b""
@@ -127,6 +146,8 @@ def load(
         ) from exc
     if optimizer is None:
         set_model_state_dict(model, staged["model"])
+    elif not weights:
+        set_optimizer_state_dict(model, optimizer, staged["optim"])
     else:
         set_state_dict(
             model, optimizer, model_state_dict=staged["model"], optim_state_dict=staged["optim"]

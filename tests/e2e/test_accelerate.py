@@ -167,7 +167,7 @@ def test_load_state_at_another_world_size_gives_every_rank_its_rows(saved):
 def test_a_state_dict_type_or_an_optimizer_a_sharded_state_cannot_save_raises():
     from zrs.trainers.accelerate import check_state_dict_type, owner
 
-    with pytest.raises(zrs.ZrsError, match="'full'.*'sharded'"):
+    with pytest.raises(zrs.ZrsError, match=r"'full'.*'sharded'"):
         check_state_dict_type("dcp")
     first, second = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     both = torch.optim.SGD([*first.parameters(), *second.parameters()], lr=LR)

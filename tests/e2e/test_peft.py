@@ -4,7 +4,9 @@ stay fp32), under zrs.shard and zrs.compile, trains as the unsharded model does 
 per-rank gradients averaged; the base does not move; `save_pretrained` of the adapter, called on
 every rank, writes the full adapter (only its entries gathered), from whichever rank
 `is_main_process` names, and PEFT loads it into a fresh model; called on one rank alone it
-raises ZrsError there instead of waiting in a gather (tests/support/library_runs.py runs it;
+raises ZrsError there instead of waiting in a gather; `load_adapter` into a sharded model loads
+the saved adapter, and adapters added to an already sharded base are refused at the optimizer's
+step (tests/support/library_runs.py runs it;
 tests/gpu/test_libraries_gpu.py on NCCL)."""
 
 from __future__ import annotations
@@ -15,7 +17,13 @@ import tempfile
 import pytest
 
 from _dist import cached_run
-from library_runs import check_adapter_files, check_alone, check_peft_training, peft_runs
+from library_runs import (
+    check_adapter_files,
+    check_alone,
+    check_load_adapter,
+    check_peft_training,
+    peft_runs,
+)
 
 pytest.importorskip("peft")
 pytestmark = [
@@ -54,3 +62,8 @@ def test_save_pretrained_writes_the_full_adapter_that_peft_loads(world, path):
 @pytest.mark.parametrize("world", sorted(PATHS))
 def test_save_pretrained_on_one_rank_alone_raises(world):
     check_alone(_group(world)[0])
+
+
+@pytest.mark.parametrize("world", sorted(PATHS))
+def test_load_adapter_into_a_sharded_model_and_adapters_added_after_sharding(world):
+    check_load_adapter(_group(world)[0], PATHS[world][0])

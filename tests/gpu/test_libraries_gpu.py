@@ -23,6 +23,7 @@ from library_runs import (
     check_adapter_files,
     check_alone,
     check_lightning_training,
+    check_load_adapter,
     check_mesh,
     check_peft_training,
     gpu_runs,
@@ -70,6 +71,10 @@ def test_peft_adapters_train_and_save_on_gpus(path):
 
 def test_peft_save_on_one_rank_alone_raises_on_gpus():
     check_alone(_runs()[0]["peft"])
+
+
+def test_peft_load_adapter_and_adapters_added_after_sharding_on_gpus():
+    check_load_adapter(_runs()[0]["peft"], "shard")
 
 
 @functools.cache

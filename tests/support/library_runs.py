@@ -110,6 +110,8 @@ def peft_runs(rank: int, world: int, root: str, paths: tuple[str, ...], device: 
             out[path]["files"] = {"rank0": _adapter_file(rank0), "last": _adapter_file(last)}
             loaded = PeftModel.from_pretrained(peft_base(), rank0)
             out[path]["loaded"] = _cpu(loaded.state_dict())
+    saved = os.path.join(root, paths[0], "rank0")
+    out["load_adapter"] = _load_adapter_runs(rank, world, saved, device)
     # Rank 0 alone: its meeting times out (5 s) and raises; the others do not come. The ranks
     # meet in zrs.shard with that timeout too: they start it together.
     torch.distributed.barrier()
@@ -124,6 +126,29 @@ def peft_runs(rank: int, world: int, root: str, paths: tuple[str, ...], device: 
             os.path.join(root, "alone", "adapter_model.safetensors")
         )
     torch.distributed.barrier()
+    return out
+
+
+def _load_adapter_runs(rank: int, world: int, saved: str, device: str) -> dict:
+    """PEFT's `load_adapter` on a sharded model: the saved adapter into the untrained one's
+    "default" (each rank keeps its rows), and as a frozen second adapter; then adapters added
+    to a sharded base by `get_peft_model`, which the optimizer must not step."""
+    from peft import LoraConfig, get_peft_model
+
+    out: dict = {}
+    model = zrs.shard(_peft_model(device))
+    model.load_adapter(saved, adapter_name="default")
+    out["default"] = _adapter(zrs.full_state_dict(model, cpu_offload=True))
+    model.load_adapter(saved, adapter_name="second")
+    out["second_frozen"] = all(
+        not p.requires_grad for n, p in model.named_parameters() if ".second." in n
+    )
+    late = get_peft_model(zrs.shard(peft_base(device)), LoraConfig(r=4, target_modules=["q_proj"]))
+    try:
+        _train_peft(late, rank, world, device, reference=False)
+        out["late"] = None
+    except zrs.ZrsError as e:
+        out["late"] = str(e)
     return out
 
 
@@ -275,6 +300,20 @@ def check_adapter_files(got: dict) -> None:
             torch.testing.assert_close(value, trained[name], rtol=0, atol=0, msg=key)
     for key, value in trained.items():
         torch.testing.assert_close(got["loaded"][key], value, rtol=0, atol=0, msg=key)
+
+
+def check_load_adapter(first: dict, path: str) -> None:
+    """load_adapter put the saved adapter into the sharded model; adapters added to a sharded
+    base were refused at the optimizer's step."""
+    got = first["load_adapter"]
+    trained = _adapter(first[path]["full"])
+    assert got["default"].keys() == trained.keys()
+    for key, value in trained.items():
+        torch.testing.assert_close(got["default"][key], value, rtol=0, atol=0, msg=key)
+    assert got["second_frozen"]
+    assert got["late"] is not None, "adapters added after sharding trained without an error"
+    assert "added to the model after zrs sharded it" in got["late"], got["late"]
+    assert "q_proj.lora_A.default.weight" in got["late"], got["late"]
 
 
 def check_alone(first: dict) -> None:

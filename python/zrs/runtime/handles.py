@@ -17,6 +17,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
@@ -51,7 +55,9 @@ class Model(Protocol):
     ds_ids: dict[int, int]  # id(shard) -> ds_id
     optimizer_steps: int
 
-    def before_optimizer_step(self) -> None: ...
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def registered(self, module: nn.Module, value: nn.Module | torch.Tensor) -> None: ...
 
 
 @dataclass(eq=False)
@@ -97,6 +103,7 @@ class Live:
         # zrs.compile calls, which name their store meetings: every rank counts alike.
         self.compile_calls = itertools.count()
         self.optimizer_hooks: list[object] = []
+        self.module_hooks: list[object] = []
 
     def add(self, state: Model) -> None:
         self.states.add(state)
@@ -108,13 +115,25 @@ class Live:
                 register_optimizer_step_pre_hook(self._before_optimizer_step),
                 register_optimizer_step_post_hook(self._after_optimizer_step),
             ]
+        if not self.module_hooks:
+            # Parameters registered into a sharded model later (PEFT's get_peft_model on it) are
+            # neither sharded nor reduced: each model notes them, and refuses to step them.
+            self.module_hooks = [
+                register_module_parameter_registration_hook(self._registered),
+                register_module_module_registration_hook(self._registered),
+            ]
 
     def models(self) -> list[Model]:
         return list(self.states)
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
         for state in self.models():
-            state.before_optimizer_step()
+            state.before_optimizer_step(optimizer)
+
+    def _registered(self, module: nn.Module, _name: str, value: object) -> None:
+        if isinstance(value, (nn.Module, torch.Tensor)):
+            for state in self.models():
+                state.registered(module, value)
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
         ids = {id(p) for g in optimizer.param_groups for p in g["params"]}

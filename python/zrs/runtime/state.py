@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten
 
 from zrs._core import Registry, ZrsError
 from zrs.runtime import streams
+from zrs.runtime.additions import Additions
 from zrs.runtime.exchange import Peers, all_gather_ints
 from zrs.runtime.grad_store import GradStore
 from zrs.runtime.handles import LIVE, ParamHandle
@@ -135,11 +136,9 @@ class ZeroState:
     broken: str | None = None
     # The module this state shards (zrs.CapturedStep reads its train/eval flags).
     module: weakref.ref[nn.Module] | None = None
-    # Its modules, learned at the first registration anywhere once it is sharded, and the
-    # parameters registered into them since (id -> the parameter, weakly): zrs shards none of
-    # those nor reduces their gradients (`registered`, `before_optimizer_step`).
-    members: weakref.WeakSet[nn.Module] | None = None
-    added: dict[int, weakref.ref[torch.Tensor]] = field(default_factory=dict)
+    # Parameters registered into the model after it was sharded, which zrs neither shards nor
+    # reduces (`registered`, `before_optimizer_step`).
+    additions: Additions = field(default_factory=Additions)
 
     def __post_init__(self) -> None:
         if self.gather_group is None:
@@ -284,54 +283,25 @@ class ZeroState:
         raise ZrsError(message)
 
     def registered(self, module: nn.Module, value: nn.Module | torch.Tensor) -> None:
-        """`value` (a parameter or a submodule) was registered on `module` (`LIVE`'s hook): if
-        `module` is part of this model, note the parameters it brings."""
+        """`value` (a parameter or a submodule) was registered on `module` (`LIVE`'s hook)."""
         root = self.module() if self.module is not None else None
-        if root is None:  # not sharded yet: zrs's own registrations
-            return
-        if self.members is None:
-            self.members = weakref.WeakSet(root.modules())
-        if module not in self.members:
-            return
-        if isinstance(value, nn.Module):
-            self.members.update(value.modules())
-            params = list(value.parameters())
-        else:
-            params = [value]
-        for p in params:
-            self.added[id(p)] = weakref.ref(p)
+        if root is not None:  # None: not sharded yet, zrs's own registrations
+            self.additions.note(root, module, value)
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """A torch.optim step is about to change the shards (`LIVE`'s hook): refuse to step a
         parameter registered into the model after zrs sharded it; free the copies kept for a
         backward and the eager path's gathered leaves, which would be stale."""
-        if self.added:
-            self._refuse_added(optimizer)
+        root = self.module() if self.module is not None else None
+        if root is not None and self.additions.added:
+            sharded = {id(h.param) for h in self.handles}
+            refusal = self.additions.refusal(root, optimizer, sharded)
+            if refusal is not None:
+                raise ZrsError(refusal)
         if self.step.kept:
             self.step.drop_kept()
         if self.fetcher is not None:
             self.fetcher.reset()
-
-    def _refuse_added(self, optimizer: torch.optim.Optimizer) -> None:
-        sharded = {id(h.param) for h in self.handles}
-        stepped = {id(p) for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
-        added = {
-            i
-            for i, ref in self.added.items()
-            if i in stepped and i not in sharded and ref() is not None
-        }
-        if not added:
-            return
-        root = self.module() if self.module is not None else None
-        names = [n for n, p in root.named_parameters() if id(p) in added] if root else []
-        raise ZrsError(
-            f"the optimizer is about to update {len(added)} parameter(s) added to the model "
-            f"after zrs sharded it ({', '.join(names[:4]) or 'unnamed'}"
-            f"{', ...' if len(names) > 4 else ''}): zrs neither shards them nor averages their "
-            "gradients across the ranks, so each rank would train a copy of its own. Add them "
-            "before zrs.shard or zrs.compile (PEFT: zrs.shard(get_peft_model(model, config)), "
-            "and load_adapter(..., is_trainable=True) before sharding), or keep them frozen"
-        )
 
     def abandon_step(self, exc: BaseException) -> None:
         """The model's forward raised on this rank: wait for and drop what the step holds, and

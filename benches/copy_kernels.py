@@ -1,7 +1,7 @@
 """The zrs CUDA copy kernels against their torch fallbacks on the current GPU: time per call and
 effective GB/s, at a transformer block's shapes.
 
-    python benches/kernels.py
+    python benches/copy_kernels.py
 """
 
 from __future__ import annotations

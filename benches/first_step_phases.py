@@ -53,7 +53,7 @@ class Phases:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
-        self.seconds[name] = round(now - self.last, 3)
+        self.seconds[name] = now - self.last
         self.last = now
 
 
@@ -113,8 +113,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else None
-    device = device or torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
@@ -134,9 +134,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(dist.get_rank())
     tokens = torch.randint(0, p.vocab_size, (p.micro_batch, p.seq_len), generator=generator)
     tokens = tokens.to(device)
-    first_s, later_ms = 0.0, []
     for step in range(args.steps):
-        started = phases.last
         loss = model(input_ids=tokens, labels=tokens).loss
         if step == 0:
             phases.mark("forward")
@@ -145,20 +143,18 @@ def main() -> None:
             phases.mark("backward")
         opt.step()
         opt.zero_grad()
-        if step == 0:
-            phases.mark("optimizer_step")
-            first_s = sum(phases.seconds.values())
-        else:
-            phases.mark(f"step{step}")
-            later_ms.append(round(1e3 * (phases.last - started), 1))
+        phases.mark("optimizer_step" if step == 0 else f"step{step}")
+    first = {k: v for k, v in phases.seconds.items() if not k.startswith("step")}
     record = {
         "system": "zrs_shard_compile" if args.system == "zrs" else "fsdp2_compile",
         "preset": args.preset,
         "world": dist.get_world_size(),
         "backend": args.backend,
-        "first_step_s": round(first_s, 2),
-        "phases_s": {k: v for k, v in phases.seconds.items() if not k.startswith("step")},
-        "later_steps_ms": later_ms,
+        "first_step_s": round(sum(first.values()), 2),
+        "phases_s": {k: round(v, 3) for k, v in first.items()},
+        "later_steps_ms": [
+            round(1e3 * phases.seconds[f"step{i}"], 1) for i in range(1, args.steps)
+        ],
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__,
         "inductor_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),

@@ -4,26 +4,27 @@ writes its phases, which add up to its first step, and both train the same tiny 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from bench_runs import torchrun
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benches" / "first_step_phases.py"
+pytestmark = pytest.mark.slow
 
 
 def test_both_systems_record_their_first_step_phase_by_phase(tmp_path):
     out = tmp_path / "phases.jsonl"
     for system in ("zrs", "fsdp2"):
-        done = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-             "2", str(SCRIPT), "--system", system, "--backend", "eager", "--out", str(out)],
-            cwd=tmp_path, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        torchrun(
+            "first_step_phases.py",
+            "--system",
+            system,
+            "--backend",
+            "eager",
+            "--out",
+            str(out),
+            cwd=tmp_path,
+        )
     zrs, fsdp2 = [json.loads(line) for line in out.read_text().splitlines()]
     assert (zrs["system"], fsdp2["system"]) == ("zrs_shard_compile", "fsdp2_compile")
     assert list(zrs["phases_s"])[1:5] == [

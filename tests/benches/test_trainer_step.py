@@ -4,27 +4,29 @@ with FSDP2 each write their record, and train the same tiny Llama to the same lo
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from bench_runs import torchrun
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benches" / "trainer_step.py"
+pytestmark = pytest.mark.slow
 
 
 def test_trainer_with_zrs_and_with_fsdp2_record_the_same_training(tmp_path):
     out = tmp_path / "trainer.jsonl"
     for system in ("zrs_eager", "fsdp2"):
-        done = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-             "2", str(SCRIPT), "--system", system, "--warmup", "1", "--steps", "2",
-             "--out", str(out)],
-            cwd=tmp_path, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        torchrun(
+            "trainer_step.py",
+            "--system",
+            system,
+            "--warmup",
+            "1",
+            "--steps",
+            "2",
+            "--out",
+            str(out),
+            cwd=tmp_path,
+        )
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["system"] for r in records] == ["trainer_zrs_eager", "trainer_fsdp2"]
     for r in records:

@@ -257,3 +257,54 @@ class Coordinator:
     def max_reuse_distance(self) -> int: ...
     @property
     def persist_numel(self) -> int: ...
+
+HOST_ISA: Literal["avx512", "avx2", "baseline"]
+"""The widest vector instructions the host optimizer's loops can use on this CPU."""
+
+@final
+class HostPool:
+    """The threads that run the host optimizer's updates (``zrs.runtime.host_optim`` checks the
+    tensors and passes their storage by address; the GIL is released during a step)."""
+
+    def __init__(self, threads: int = 0, isa: str | None = None) -> None:
+        """``threads`` workers (0: one per core); ``isa`` caps the instruction set
+        (``avx512``, ``avx2``, ``baseline``), ``None`` takes the widest the CPU has."""
+    @property
+    def threads(self) -> int: ...
+    @property
+    def isa(self) -> Literal["avx512", "avx2", "baseline"]: ...
+    def adamw(
+        self,
+        *,
+        step: int,
+        lr: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+        maximize: bool,
+        numel: int,
+        params: int,
+        grads: tuple[int, str],
+        exp_avg: int,
+        exp_avg_sq: int,
+        copy: tuple[int, str] | None = None,
+    ) -> None:
+        """The ``step``-th AdamW update (from 1) of ``numel`` fp32 parameters at ``params``."""
+    def sgd(
+        self,
+        *,
+        first: bool,
+        lr: float,
+        momentum: float,
+        dampening: float,
+        weight_decay: float,
+        nesterov: bool,
+        maximize: bool,
+        numel: int,
+        params: int,
+        grads: tuple[int, str],
+        momentum_buffer: int | None = None,
+        copy: tuple[int, str] | None = None,
+    ) -> None:
+        """One SGD update of ``numel`` fp32 parameters at ``params``."""

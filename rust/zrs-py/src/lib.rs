@@ -5,6 +5,7 @@ use pyo3::prelude::*;
 
 mod eager;
 mod error;
+mod optim;
 mod plan;
 mod registry;
 
@@ -14,5 +15,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     registry::register(m)?;
     plan::register(m)?;
     eager::register(m)?;
+    optim::register(m)?;
     Ok(())
 }

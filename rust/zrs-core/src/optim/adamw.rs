@@ -1,5 +1,6 @@
 //! AdamW over flat f32 shards, in `torch.optim.AdamW`'s order of operations.
 
+use super::convert::{bf16_from_f32, ToF32};
 use super::{multiversion, Chunk, CopyOut, Grads, HostPool, Streams};
 use crate::error::{Error, Result};
 use half::bf16;
@@ -96,37 +97,72 @@ impl AdamW {
         let s = self.scalars(step);
         let streams = Streams::new(params, grads, [exp_avg, exp_avg_sq], 2, copy)?;
         streams.run(pool, |isa, c: &mut Chunk<'_>| {
-            let [m, v] = &mut c.states;
-            update(isa, &s, c.params, c.grads, m, v)
+            let (p, g, [m, v], copy) = c.parts();
+            update(isa, &s, p, g, m, v, copy)
         });
         Ok(())
     }
 }
 
-multiversion!(fn update(s: &Scalars, p: &mut [f32], g: Grads<'_>, m: &mut [f32], v: &mut [f32]) => body);
+multiversion!(fn update(
+    s: &Scalars,
+    p: &mut [f32],
+    g: Grads<'_>,
+    m: &mut [f32],
+    v: &mut [f32],
+    copy: Option<&mut [bf16]>,
+) => body);
 
 #[inline(always)]
-fn body(s: &Scalars, p: &mut [f32], g: Grads<'_>, m: &mut [f32], v: &mut [f32]) {
-    match (g, s.lerp_small) {
-        (Grads::F32(g), true) => elements::<true, f32>(s, p, g, m, v),
-        (Grads::F32(g), false) => elements::<false, f32>(s, p, g, m, v),
-        (Grads::Bf16(g), true) => elements::<true, bf16>(s, p, g, m, v),
-        (Grads::Bf16(g), false) => elements::<false, bf16>(s, p, g, m, v),
+fn body(
+    s: &Scalars,
+    p: &mut [f32],
+    g: Grads<'_>,
+    m: &mut [f32],
+    v: &mut [f32],
+    copy: Option<&mut [bf16]>,
+) {
+    match g {
+        Grads::F32(g) => with_grads(s, p, g, m, v, copy),
+        Grads::Bf16(g) => with_grads(s, p, g, m, v, copy),
     }
 }
 
-/// torch's sequence: `p *= 1 - lr*wd`; `m.lerp_(g, 1 - beta1)`; `v.mul_(beta2).addcmul_(g, g,
-/// 1 - beta2)`; `denom = v.sqrt() / sqrt(bc2) + eps`; `p.addcdiv_(m, denom, -lr/bc1)`.
 #[inline(always)]
-fn elements<const SMALL: bool, G: super::convert::ToF32>(
+fn with_grads<G: ToF32>(
     s: &Scalars,
     p: &mut [f32],
     g: &[G],
     m: &mut [f32],
     v: &mut [f32],
+    copy: Option<&mut [bf16]>,
 ) {
-    for (((p, g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-        let g = g.to_f32() * s.sign;
+    match (s.lerp_small, copy) {
+        (true, None) => elements::<true, false, G>(s, p, g, m, v, &mut []),
+        (false, None) => elements::<false, false, G>(s, p, g, m, v, &mut []),
+        (true, Some(c)) => elements::<true, true, G>(s, p, g, m, v, c),
+        (false, Some(c)) => elements::<false, true, G>(s, p, g, m, v, c),
+    }
+}
+
+/// torch's sequence: `p *= 1 - lr*wd`; `m.lerp_(g, 1 - beta1)`; `v.mul_(beta2).addcmul_(g, g,
+/// 1 - beta2)`; `denom = v.sqrt() / sqrt(bc2) + eps`; `p.addcdiv_(m, denom, -lr/bc1)`.
+/// With `COPY`, each updated parameter also goes to `copy` in bf16.
+#[inline(always)]
+fn elements<const SMALL: bool, const COPY: bool, G: ToF32>(
+    s: &Scalars,
+    p: &mut [f32],
+    g: &[G],
+    m: &mut [f32],
+    v: &mut [f32],
+    copy: &mut [bf16],
+) {
+    let n = p.len();
+    let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
+    let copy = if COPY { &mut copy[..n] } else { copy };
+    for i in 0..n {
+        let (p, m, v) = (&mut p[i], &mut m[i], &mut v[i]);
+        let g = g[i].to_f32() * s.sign;
         let decayed = *p * s.decay;
         // torch's lerp: the formula that is exact at its end nearer the weight.
         *m = if SMALL {
@@ -137,6 +173,9 @@ fn elements<const SMALL: bool, G: super::convert::ToF32>(
         *v = *v * s.beta2 + s.w2 * g * g;
         let denom = v.sqrt() / s.bc2_sqrt + s.eps;
         *p = decayed + s.neg_step_size * *m / denom;
+        if COPY {
+            copy[i] = bf16_from_f32(*p);
+        }
     }
 }
 

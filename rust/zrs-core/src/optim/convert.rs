@@ -1,6 +1,6 @@
 //! Conversions between f32 and the 16-bit dtypes, rounded as torch's `Tensor.to` rounds.
 
-use super::{multiversion, CopyOut, Isa};
+use super::CopyOut;
 use half::bf16;
 use half::slice::HalfFloatSliceExt;
 
@@ -31,22 +31,11 @@ pub fn bf16_from_f32(x: f32) -> bf16 {
     bf16::from_bits(if x.is_nan() { 0x7fc0 } else { rounded })
 }
 
-/// Writes `params` into `copy`'s dtype (nothing for [`CopyOut::None`]).
-pub(super) fn write_copy(isa: Isa, params: &[f32], copy: &mut CopyOut<'_>) {
-    match copy {
-        CopyOut::None => {}
-        CopyOut::Bf16(out) => to_bf16(isa, params, out),
+/// Writes `params` into an f16 `copy` (a bf16 one is written by the update's own loop).
+pub(super) fn write_f16_copy(params: &[f32], copy: &mut CopyOut<'_>) {
+    if let CopyOut::F16(out) = copy {
         // half converts with F16C where the CPU has it (round to nearest even, as torch).
-        CopyOut::F16(out) => out.convert_from_f32_slice(params),
-    }
-}
-
-multiversion!(fn to_bf16(params: &[f32], out: &mut [bf16]) => bf16_body);
-
-#[inline(always)]
-fn bf16_body(params: &[f32], out: &mut [bf16]) {
-    for (o, &p) in out.iter_mut().zip(params) {
-        *o = bf16_from_f32(p);
+        out.convert_from_f32_slice(params);
     }
 }
 

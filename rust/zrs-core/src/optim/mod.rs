@@ -27,8 +27,8 @@ use crate::error::{Error, Result};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-/// Elements a task updates: 128 KiB of each f32 stream, so that a chunk's parameters are still
-/// in cache when its compute-dtype copy is written.
+/// Elements a task updates: 128 KiB of each f32 stream, enough work per task that the pool's
+/// hand-offs cost nothing measurable.
 const CHUNK: usize = 32 * 1024;
 
 /// The gradient shard a step reads: f32, or bf16 when gradients are reduced in bf16.
@@ -142,6 +142,26 @@ struct Chunk<'a> {
     copy: CopyOut<'a>,
 }
 
+/// A chunk's streams for an update's element loop, which writes a bf16 copy itself (an f16 one
+/// is written after the loop, by `convert`).
+type Parts<'c> = (
+    &'c mut [f32],
+    Grads<'c>,
+    [&'c mut [f32]; 2],
+    Option<&'c mut [bf16]>,
+);
+
+impl Chunk<'_> {
+    fn parts(&mut self) -> Parts<'_> {
+        let copy = match &mut self.copy {
+            CopyOut::Bf16(out) => Some(&mut **out),
+            _ => None,
+        };
+        let [a, b] = &mut self.states;
+        (self.params, self.grads, [&mut **a, &mut **b], copy)
+    }
+}
+
 fn check_len(what: &str, got: usize, want: usize) -> Result<()> {
     if got == want {
         Ok(())
@@ -188,7 +208,7 @@ impl<'a> Streams<'a> {
     }
 
     /// Splits every stream into chunks of [`CHUNK`] elements (states that are empty stay
-    /// empty) and runs `update` on each chunk in `pool`, then writes its copy.
+    /// empty) and runs `update` on each chunk in `pool` (an f16 copy after it).
     fn run(self, pool: &HostPool, update: impl Fn(Isa, &mut Chunk<'_>) + Sync) {
         let Streams {
             params,
@@ -233,7 +253,7 @@ impl<'a> Streams<'a> {
         pool.pool.install(|| {
             chunks.par_iter_mut().for_each(|chunk| {
                 update(isa, chunk);
-                convert::write_copy(isa, chunk.params, &mut chunk.copy);
+                convert::write_f16_copy(chunk.params, &mut chunk.copy);
             })
         });
     }

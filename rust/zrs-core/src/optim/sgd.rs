@@ -1,5 +1,6 @@
 //! SGD with momentum over flat f32 shards, in `torch.optim.SGD`'s order of operations.
 
+use super::convert::{bf16_from_f32, ToF32};
 use super::{multiversion, Chunk, CopyOut, Grads, HostPool, Streams};
 use crate::error::{Error, Result};
 use half::bf16;
@@ -81,8 +82,8 @@ impl Sgd {
         let (nesterov, decays) = (self.nesterov, self.weight_decay != 0.0);
         let streams = Streams::new(params, grads, [momentum_buffer, &mut []], used, copy)?;
         streams.run(pool, |isa, c: &mut Chunk<'_>| {
-            let [buf, _] = &mut c.states;
-            update(isa, &s, mode, nesterov, decays, c.params, c.grads, buf)
+            let (p, g, [buf, _], copy) = c.parts();
+            update(isa, &s, mode, nesterov, decays, p, g, buf, copy)
         });
         Ok(())
     }
@@ -96,6 +97,7 @@ multiversion!(fn update(
     p: &mut [f32],
     g: Grads<'_>,
     buf: &mut [f32],
+    copy: Option<&mut [bf16]>,
 ) => body);
 
 #[allow(clippy::too_many_arguments)]
@@ -108,53 +110,76 @@ fn body(
     p: &mut [f32],
     g: Grads<'_>,
     buf: &mut [f32],
+    copy: Option<&mut [bf16]>,
 ) {
-    match g {
-        Grads::F32(g) => elements(s, mode, nesterov, decays, p, g, buf),
-        Grads::Bf16(g) => elements::<bf16>(s, mode, nesterov, decays, p, g, buf),
+    let k = Kind {
+        mode,
+        nesterov,
+        decays,
+    };
+    match (g, copy) {
+        (Grads::F32(g), None) => elements::<false, f32>(s, k, p, g, buf, &mut []),
+        (Grads::F32(g), Some(c)) => elements::<true, f32>(s, k, p, g, buf, c),
+        (Grads::Bf16(g), None) => elements::<false, bf16>(s, k, p, g, buf, &mut []),
+        (Grads::Bf16(g), Some(c)) => elements::<true, bf16>(s, k, p, g, buf, c),
     }
+}
+
+/// The branches of one step, the same for every element.
+#[derive(Clone, Copy)]
+struct Kind {
+    mode: Mode,
+    nesterov: bool,
+    decays: bool,
 }
 
 /// torch's sequence: `g = g + wd*p` (when `wd != 0`); the buffer `b = g` on the first step,
 /// else `b = b*momentum + (1 - dampening)*g`; `g = g + momentum*b` (Nesterov) or `g = b`;
-/// `p = p + (-lr)*g`.
+/// `p = p + (-lr)*g`. With `COPY`, each updated parameter also goes to `copy` in bf16.
 #[inline(always)]
-fn elements<G: super::convert::ToF32>(
+fn elements<const COPY: bool, G: ToF32>(
     s: &Scalars,
-    mode: Mode,
-    nesterov: bool,
-    decays: bool,
+    k: Kind,
     p: &mut [f32],
     g: &[G],
     buf: &mut [f32],
+    copy: &mut [bf16],
 ) {
+    let n = p.len();
+    let g = &g[..n];
+    let copy = if COPY { &mut copy[..n] } else { copy };
     let grad = |p: f32, g: G| {
         let g = g.to_f32() * s.sign;
         // `g + 0*p` would turn -0 into +0 and an infinite p into NaN: torch skips it, so must we.
-        if decays {
+        if k.decays {
             g + s.weight_decay * p
         } else {
             g
         }
     };
-    match mode {
-        Mode::Plain => {
-            for (p, g) in p.iter_mut().zip(g) {
-                *p += s.neg_lr * grad(*p, *g);
+    if k.mode == Mode::Plain {
+        for i in 0..n {
+            p[i] += s.neg_lr * grad(p[i], g[i]);
+            if COPY {
+                copy[i] = bf16_from_f32(p[i]);
             }
         }
-        Mode::First | Mode::Later => {
-            let first = mode == Mode::First;
-            for ((p, g), b) in p.iter_mut().zip(g).zip(buf.iter_mut()) {
-                let g = grad(*p, *g);
-                *b = if first {
-                    g
-                } else {
-                    *b * s.momentum + s.one_minus_dampening * g
-                };
-                let d = if nesterov { g + s.momentum * *b } else { *b };
-                *p += s.neg_lr * d;
-            }
+        return;
+    }
+    let buf = &mut buf[..n];
+    let first = k.mode == Mode::First;
+    for i in 0..n {
+        let g = grad(p[i], g[i]);
+        let b = &mut buf[i];
+        *b = if first {
+            g
+        } else {
+            *b * s.momentum + s.one_minus_dampening * g
+        };
+        let d = if k.nesterov { g + s.momentum * *b } else { *b };
+        p[i] += s.neg_lr * d;
+        if COPY {
+            copy[i] = bf16_from_f32(p[i]);
         }
     }
 }

@@ -115,7 +115,7 @@ RUNTIME = PACKAGE / "runtime"
 RUNTIME_TIERS = [
     # leaves: side streams, host exchanges between the ranks, the copy kernels, the host
     # optimizer
-    {"streams", "exchange", "kernels", "host_optim"},
+    {"streams", "exchange", "kernels", "host_optim", "host_step"},
     # the process index: parameter handles and the live models (`LIVE`)
     {"handles"},
     # one model's state: `ZeroState`, what one step holds (`StepState`), gradients at fixed

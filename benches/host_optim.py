@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> None:
         system, threads = args.one.split(",")
         print(json.dumps(_one(system, args.numel, int(threads), args.reps)), flush=True)
         return
+    unknown = set(args.systems.split(",")) - set(SYSTEMS)
+    if unknown:
+        ap.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
     cores = os.cpu_count() or 1
     counts = [cores if t == "all" else int(t) for t in args.threads.split(",")]
     host = {"cpu": platform.processor() or platform.machine(), "cores": cores}

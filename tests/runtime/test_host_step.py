@@ -46,7 +46,7 @@ def _grads(step: int) -> list[torch.Tensor]:
 def _host_step(opt: torch.optim.Optimizer) -> None:
     for group in opt.param_groups:
         for p in group["params"]:
-            host_step.update(HOST, opt, group, p, p.data, p.grad)
+            host_step.update(HOST, opt, group, p)
             p.grad = None
     opt.step()  # with no gradients left it updates nothing, but schedulers see a step
 

@@ -446,6 +446,8 @@ class Case:
     # False: no generate() after training (the model's `generate`, if any, is checked by
     # another case); the result's "generated" is then None.
     generate: bool = True
+    # zrs.shard's offload= (the masters and the optimizer step on the host).
+    offload: str | None = None
 
     @property
     def key(self) -> str:
@@ -455,7 +457,10 @@ class Case:
         graphed = f"-graphed{self.max_norm or ''}" if self.graphed_step else ""
         master = "" if self.master_dtype is None else f"-m{str(self.master_dtype).split('.')[-1]}"
         streams = "-side-streams" if self.comm_streams else ""
-        return f"{self.backend}{sched}-{self.model}{dtype}{master}{where}{graphed}{streams}"
+        offload = f"-offload-{self.offload}" if self.offload else ""
+        return (
+            f"{self.backend}{sched}-{self.model}{dtype}{master}{where}{graphed}{streams}{offload}"
+        )
 
 
 def traced_runtime() -> list[str]:
@@ -524,6 +529,8 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
                 counters.clear()
             if api == "shard" and unit_backend:
                 kwargs["compile"] = unit_backend
+            if case.offload is not None:
+                kwargs["offload"] = case.offload
             compiled = zrs.shard(model, **kwargs)
             if api == "hand":
                 from zrs.prepare.sharding import repeated_blocks
@@ -587,6 +594,12 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
             for m in list(model.modules())[1:]  # the root's is zrs's guarded forward
         ),
         "optimizer_state_dtypes": sorted(state_dtypes),
+        # Where the optimizer's state and the gradients lived: the host, with offload.
+        "offloaded": getattr(model._zrs_state, "offload", None) is not None
+        and all(h.compute is not None for h in model._zrs_state.handles),
+        "optimizer_state_devices": sorted(
+            {str(v.device) for s in opt.state.values() for v in s.values() if isinstance(v, Tensor)}
+        ),
         "state": {k: v.detach().cpu().clone() for k, v in state.items()},
     }
 

@@ -13,6 +13,7 @@ from zrs.prepare.options import (
     check_compile,
     check_limits,
     check_memory_budget,
+    check_offload,
 )
 from zrs.prepare.sharding import InitFn, shard_parameters
 from zrs.prepare.units import install_units
@@ -26,6 +27,7 @@ __all__ = [
     "check_compile",
     "check_limits",
     "check_memory_budget",
+    "check_offload",
     "install_forward",
     "install_units",
     "make_state",

@@ -17,6 +17,7 @@ from zrs.prepare.options import Precision
 from zrs.runtime.collectives import new_group_like
 from zrs.runtime.exchange import Peers, group_timeout
 from zrs.runtime.handles import LIVE
+from zrs.runtime.offload import Offload
 from zrs.runtime.state import ZeroState
 
 
@@ -52,10 +53,17 @@ def agree_and_connect(
     return links
 
 
-def make_state(links: Links, precision: Precision, **state_options: Any) -> ZeroState:
-    """The model's state: its communicators, dtypes and planner options, and an empty registry."""
+def make_state(
+    links: Links, precision: Precision, offload: str | None = None, **state_options: Any
+) -> ZeroState:
+    """The model's state: its communicators, dtypes and planner options, and an empty registry;
+    with `offload`, its host side (and a gloo group for the host tensors' mesh)."""
     group = links.group
     world = world_size(group)
+    if offload is not None:
+        state_options["offload"] = Offload(links.device)
+        if group is not None and links.control_group is None:  # one rank: no meeting made it
+            links.control_group = new_group_like(group, links.timeout, backend="gloo")
     return ZeroState(
         group=group,
         world_size=world,

@@ -252,7 +252,12 @@ def _shard_one(state: ZeroState, param: nn.Parameter, full: torch.Tensor, name: 
     # A 0-d parameter has no rows to cut: every rank holds it (a replicated DTensor), and its
     # gradient reaches every rank (grads._replicate_scalar).
     start = state.rank * info.shard_numel if param.dim() else 0
-    shard = flat[start : start + info.shard_numel].clone().requires_grad_(param.requires_grad)
+    piece = flat[start : start + info.shard_numel]
+    if state.offload is None:
+        shard = piece.clone()
+    else:  # the master on the host (runtime/offload.py)
+        shard = state.offload.host_empty(info.shard_numel, state.master_dtype).copy_(piece)
+    shard.requires_grad_(param.requires_grad)
     # Every rank's shard has the same padded size for the model's life. Static, it keeps its size
     # out of the symbols that zrs.compile's dynamic=True gives every input: a symbol per shard made
     # each layer's compile region a body of its own, traced and compiled once per layer.
@@ -278,6 +283,8 @@ def _shard_one(state: ZeroState, param: nn.Parameter, full: torch.Tensor, name: 
         name,
         param.dtype if state.own_dtypes else state.master_dtype,
     )
+    if state.offload is not None:
+        state.offload.attach(h)
     if param.requires_grad:
         # Weakly: a tensor the dynamo cache still holds must not keep a dropped model's state.
         handle = weakref.ref(h)

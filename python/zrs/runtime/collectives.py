@@ -69,8 +69,9 @@ def gather_full(h: ParamHandle, shard: torch.Tensor, dtype: torch.dtype | None) 
     state = h.state
     state.check_usable()
     dtype = dtype or shard.dtype
-    buf = torch.empty(h.padded_numel, dtype=dtype, device=shard.device)
-    send = shard.detach().to(dtype).reshape(-1)
+    # An offloaded master is on the host: it is sent from the device.
+    buf = torch.empty(h.padded_numel, dtype=dtype, device=state.device)
+    send = shard.detach().to(state.device, dtype).reshape(-1)
     state.wait(
         all_gather(buf, send, state.gather_group, True), lambda: f"the all-gather of `{h.name}`"
     )

@@ -104,7 +104,7 @@ class Fetcher:
 
     def _new_leaf(self, h: ParamHandle) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = h.compute_dtype
-        raw = torch.empty(h.padded_numel, dtype=dtype, device=h.shard.device)
+        raw = torch.empty(h.padded_numel, dtype=dtype, device=h.source.device)
         with torch.no_grad():
             leaf = torch.empty(0, dtype=dtype, device=raw.device)
             stride = torch.empty(h.shape, device="meta").stride()
@@ -345,7 +345,9 @@ class Fetcher:
         raws = [self.raws[s] for s in slots]
         for raw in raws:
             raw.untyped_storage().resize_(raw.numel() * raw.element_size())
-        shards = [h.shard.detach() for h in hs]
+        if state.offload is not None:
+            state.offload.refresh(hs)
+        shards = [h.source.detach() for h in hs]
         if state.world_size == 1:
             with torch.no_grad():
                 torch._foreach_copy_(raws, shards)

@@ -221,6 +221,8 @@ def accumulate_grad(h: ParamHandle, flat: torch.Tensor) -> None:
         return
     local = flat if h.local_numel == h.shard_numel else flat.narrow(0, 0, h.local_numel)
     local = local.view(h.local_shape)
+    if h.state.offload is not None:  # the optimizer reads it on the host
+        local = h.state.offload.to_host(local, param.dtype)
     if param.grad is None:
         # The reduce-scatter's output is the gradient: the .grad are views into it (no copy; the
         # output lives as long as any of its gradients).

@@ -47,7 +47,7 @@ def group_layout(numels: list[int], itemsize: int) -> tuple[list[int], int]:
 
 class Model(Protocol):
     """What this module needs of a model's state (`zrs.runtime.state.ZeroState`): its registry and
-    the handles it owns, its count of optimizer steps, and what it drops before a step."""
+    the handles it owns, its count of optimizer steps, and what it does around a step."""
 
     registry: Registry
     param_dtype: torch.dtype | None
@@ -56,6 +56,8 @@ class Model(Protocol):
     optimizer_steps: int
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None: ...
 
     def registered(self, module: nn.Module, value: nn.Module | torch.Tensor) -> None: ...
 
@@ -83,11 +85,21 @@ class ParamHandle:
     spec: DTensorSpec | None  # the parameter's (and its gradient's) DTensor spec
     dtype: torch.dtype  # the parameter's own: gathered in it unless `param_dtype` says otherwise
     name: str = ""  # its qualified name in the model, for error messages
+    # With offload (runtime/offload.py) `shard` and `param` are the fp32 master on the host, and
+    # the gathers read `compute`: this rank's shard on the device in the compute dtype, a copy of
+    # `shard` as of its version `compute_version`.
+    compute: torch.Tensor | None = None
+    compute_version: int = -1
 
     @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype its gathers produce: the model's `param_dtype`, else its own."""
         return self.state.param_dtype or self.dtype
+
+    @property
+    def source(self) -> torch.Tensor:
+        """What the eager path's gathers read: the device copy with offload, else the shard."""
+        return self.shard if self.compute is None else self.compute
 
 
 class Live:
@@ -140,6 +152,7 @@ class Live:
         for state in self.models():
             if any(id(h.param) in ids for h in state.handles):
                 state.optimizer_steps += 1
+                state.after_optimizer_step(optimizer)
 
 
 LIVE = Live()

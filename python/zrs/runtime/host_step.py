@@ -15,6 +15,7 @@ never a silent fallback to the GPU or to torch's CPU update.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from zrs import _core
 from zrs.runtime.host_optim import HostOptimizer
@@ -54,22 +55,23 @@ def update(
     optimizer: torch.optim.Optimizer,
     group: dict,
     param: torch.Tensor,
-    master: torch.Tensor,
-    grad: torch.Tensor,
     copy: torch.Tensor | None = None,
 ) -> None:
-    """One update of ``master`` (``param``'s fp32 shard on the host) from ``grad`` by the rule of
-    ``optimizer`` with ``group``'s hyperparameters, its state in ``optimizer.state[param]``
-    (made on the first update, as torch makes it); ``copy`` gets the result in its dtype."""
+    """One update of ``param`` (fp32 on the host, plain or a DTensor over this rank's rows) from
+    its ``.grad`` by the rule of ``optimizer`` with ``group``'s hyperparameters, its state in
+    ``optimizer.state[param]`` (made on the first update as torch makes it: tensors like
+    ``param``); ``copy`` gets the updated rows in its dtype."""
+    master, grad = _local(param), _local(param.grad)
     if isinstance(optimizer, torch.optim.SGD):
         momentum = group["momentum"]
         # torch keeps no state for SGD without momentum: touching it would add an empty entry.
         state = optimizer.state[param] if momentum != 0 else {}
         first = state.get("momentum_buffer") is None
         if momentum != 0 and first:
-            state["momentum_buffer"] = torch.empty_like(master)
+            state["momentum_buffer"] = torch.empty_like(param)
+        buf = state.get("momentum_buffer")
         host.sgd(
-            master, grad, state.get("momentum_buffer"), first=first, lr=group["lr"],
+            master, grad, None if buf is None else _local(buf), first=first, lr=group["lr"],
             momentum=momentum, dampening=group["dampening"],
             weight_decay=group["weight_decay"], nesterov=group["nesterov"],
             maximize=group["maximize"], copy=copy,
@@ -78,15 +80,19 @@ def update(
     state = optimizer.state[param]
     if not state:
         state["step"] = torch.tensor(0.0)
-        state["exp_avg"] = torch.zeros_like(master)
-        state["exp_avg_sq"] = torch.zeros_like(master)
+        state["exp_avg"] = torch.zeros_like(param)
+        state["exp_avg_sq"] = torch.zeros_like(param)
     state["step"] += 1
     host.adamw(
-        master, grad, state["exp_avg"], state["exp_avg_sq"], step=int(state["step"].item()),
-        lr=group["lr"], betas=group["betas"], eps=group["eps"],
+        master, grad, _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
+        step=int(state["step"].item()), lr=group["lr"], betas=group["betas"], eps=group["eps"],
         weight_decay=group["weight_decay"] if _decoupled(optimizer, group) else 0.0,
         maximize=group["maximize"], copy=copy,
     )  # fmt: skip
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _decoupled(optimizer: torch.optim.Optimizer, group: dict) -> bool:

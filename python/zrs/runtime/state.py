@@ -31,6 +31,7 @@ from zrs.runtime.additions import Additions
 from zrs.runtime.exchange import Peers, all_gather_ints
 from zrs.runtime.grad_store import GradStore
 from zrs.runtime.handles import LIVE, ParamHandle
+from zrs.runtime.offload import Offload
 from zrs.runtime.step import StepState
 
 _log = logging.getLogger("zrs")
@@ -139,6 +140,8 @@ class ZeroState:
     # Parameters registered into the model after it was sharded, which zrs neither shards nor
     # reduces (`registered`, `before_optimizer_step`).
     additions: Additions = field(default_factory=Additions)
+    # zrs.shard(offload="optimizer"): the masters and the optimizer step on the host.
+    offload: Offload | None = None
 
     def __post_init__(self) -> None:
         if self.gather_group is None:
@@ -148,8 +151,13 @@ class ZeroState:
         self.one_rank_views = self.world_size == 1
         self.gather_stream = streams.side_stream(self.device, "gather")
         self.reduce_stream = streams.side_stream(self.device, "reduce")
+        # With offload the parameters and their gradients are host tensors: their mesh is the
+        # gloo control group's, so that a DTensor collective on them (a norm) runs on the host.
+        mesh_group, mesh_device = self.group, self.device.type
+        if self.offload is not None and self.control_group is not None:
+            mesh_group, mesh_device = self.control_group, "cpu"
         self.mesh = (
-            DeviceMesh.from_group(self.group, self.device.type) if self.group is not None else None
+            DeviceMesh.from_group(mesh_group, mesh_device) if mesh_group is not None else None
         )
         LIVE.add(self)
 
@@ -302,6 +310,13 @@ class ZeroState:
             self.step.drop_kept()
         if self.fetcher is not None:
             self.fetcher.reset()
+        if self.offload is not None:
+            self.offload.step(optimizer, self.handles)
+
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """A torch.optim step that stepped this model's parameters is over."""
+        if self.offload is not None:
+            self.offload.after_step()
 
     def abandon_step(self, exc: BaseException) -> None:
         """The model's forward raised on this rank: wait for and drop what the step holds, and

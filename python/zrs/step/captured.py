@@ -205,6 +205,11 @@ class CapturedStep:
         inputs = [v.detach().clone() if isinstance(v, torch.Tensor) else v for v in flat]
         args, kwargs = tree_unflatten(inputs, spec)
         models = LIVE.models()
+        if any(s.offload is not None for s in models):
+            raise ZrsError(
+                f"{WHO} captures the optimizer step on the GPU; with offload it runs on "
+                "the host: step eagerly (call the step function without {WHO})"
+            )
         before = {id(s): (s.forwards, s.backwards) for s in models}
         for s in models:
             if s.grad_store is None:  # the gradients at fixed addresses (runtime/grad_store.py)

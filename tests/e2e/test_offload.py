@@ -1,0 +1,72 @@
+"""zrs.shard(offload="optimizer") against the unsharded reference: the masters and the SGD
+momentum step on the host (zrs-core's update, runtime/offload.py), the zoo at world 1, 2 and 3 in
+fp32 (the same bounds as test_correctness.py) and two models in bf16 compute at world 2 (the
+bounds of test_mixed_precision.py); what offload refuses; its state across a checkpoint."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from _dist import cached_run, reemit_warnings
+from checks import bf16_problems, fp32_problems
+from zoo import ZOO, Case, Reference, case_outcome, run_cases, train_reference
+
+WORLD_SIZES = (1, 2, 3)
+MODELS = tuple(ZOO)
+BF16_MODELS = ("mlp", "gpt_tied")
+RTOL, ATOL = 1e-5, 1e-6
+
+pytestmark = pytest.mark.slow
+
+
+def _case(model: str, bf16: bool = False) -> Case:
+    dtypes = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if bf16 else {}
+    return Case(model, "shard", offload="optimizer", default_group=False, **dtypes)
+
+
+def _group(world: int) -> list[dict[str, dict]]:
+    cases = [_case(m) for m in MODELS]
+    if world == 2:
+        cases += [_case(m, bf16=True) for m in BF16_MODELS]
+    return cached_run(("offload", world), run_cases, world, cases)
+
+
+@functools.cache
+def _reference(model: str, world: int, bf16: bool = False) -> Reference:
+    return train_reference(ZOO[model], world, autocast_dtype=torch.bfloat16 if bf16 else None)
+
+
+def _fail(what: str, problems: list[str]) -> None:
+    if problems:
+        pytest.fail(f"{what}:\n  " + "\n  ".join(problems), pytrace=False)
+
+
+@pytest.mark.parametrize(
+    ("world", "model"), [(w, m) for w in WORLD_SIZES for m in MODELS], ids=lambda v: str(v)
+)
+def test_offloaded_training_matches_reference(world: int, model: str) -> None:
+    per_rank = case_outcome(_group(world), _case(model).key, brief=False)
+    ref = _reference(model, world)
+    problems = fp32_problems(
+        per_rank, ZOO[model], ref, rtol=RTOL, atol=ATOL, loss_rtol=RTOL, loss_atol=ATOL
+    )
+    for rank, r in enumerate(per_rank):
+        if not r["offloaded"]:
+            problems.append(f"rank {rank}: some parameter has no device copy (not offloaded)")
+        if r["optimizer_state_devices"] not in ([], ["cpu"]):
+            problems.append(f"rank {rank}: optimizer state on {r['optimizer_state_devices']}")
+    _fail(f"{model} offloaded (world {world}) differs from the unsharded reference", problems)
+    for rank, r in enumerate(per_rank):
+        reemit_warnings(r["warnings"], where=f"rank {rank}, {model} offloaded")
+
+
+@pytest.mark.parametrize("model", BF16_MODELS)
+def test_offloaded_bf16_matches_autocast_reference(model: str) -> None:
+    per_rank = case_outcome(_group(2), _case(model, bf16=True).key)
+    _fail(
+        f"{model} offloaded with bf16 compute (world 2) differs from the autocast reference",
+        bf16_problems(per_rank, _reference(model, 2, bf16=True)),
+    )

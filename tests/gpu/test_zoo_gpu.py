@@ -96,3 +96,21 @@ def test_bf16_masters_on_gpus_match_bf16_reference(api: str) -> None:
     per_rank = group.outcome(key)
     ref = group.reference(group.MASTER_MODEL, "bf16_model")
     group.check(per_rank, master_problems(per_rank, ref), key)
+
+
+@pytest.mark.parametrize("offloaded", group.offload_cases(), ids=lambda c: c.key)
+def test_offloaded_on_gpus_matches_reference(offloaded) -> None:
+    """zrs.shard(offload="optimizer"): the masters, the gradients and the SGD step on the host."""
+    per_rank = group.outcome(offloaded.key)
+    if offloaded.param_dtype is not None:
+        problems = bf16_problems(per_rank, group.reference(offloaded.model, "bf16"))
+    else:
+        ref = group.reference(offloaded.model, max_norm=offloaded.max_norm)
+        problems = fp32_problems(
+            per_rank, ZOO[offloaded.model], ref, rtol=RTOL, atol=ATOL, loss_rtol=LOSS_RTOL,
+            loss_atol=LOSS_ATOL,
+        )  # fmt: skip
+    for rank, r in enumerate(per_rank):
+        if not r["offloaded"] or r["optimizer_state_devices"] not in ([], ["cpu"]):
+            problems.append(f"rank {rank}: not offloaded ({r['optimizer_state_devices']})")
+    group.check(per_rank, problems, offloaded.key)

@@ -12,6 +12,7 @@ each rank its own batches, SGD with momentum), 3 steps, fp32 with TF32 off unles
   variable-length batches) on inductor;
 * bf16 compute over fp32 masters (`BF16_MODELS`) against the bf16-autocast reference, and bf16
   masters (`MASTER_APIS`) against the model trained unsharded in bf16;
+* zrs.shard(offload="optimizer") (`offload_cases`): fp32, clipped, bf16 and compiled layers;
 * a DCP checkpoint (PyTorch's recipe) of GPT-2 after 2 steps, saved by every rank under a
   directory of the parent's; the parent loads it in one process (tests/gpu/test_checkpoint_gpu.py);
 * zrs.GraphedStep (`GRAPHED`) with and without CUDA graphs, 7 steps through a non-finite one,
@@ -78,6 +79,10 @@ BF16_MODELS, BF16_BACKEND = ("mlp",), "inductor"
 # bf16 masters: a model whose inputs are token ids (a bf16 model takes no fp32 batch; the zoo's
 # float-input models would need param_dtype= to cast them), the dearest case of the group.
 MASTER_MODEL, MASTER_APIS = "gpt_tied", ("inductor", "shard")
+# zrs.shard(offload="optimizer"): the masters and the SGD step on the host, fp32 on a tied head,
+# a frozen layer and a stack; clipped (the norm of host gradients, on the gloo mesh); bf16
+# compute (the host update writes the bf16 copy); and with each layer compiled.
+OFFLOAD_MODELS, OFFLOAD_CLIP = ("gpt_tied", "frozen", "bias_stack"), ("gpt_tied", 0.05)
 # The checkpoint: (model, zrs backend, optimizer), trained CHECKPOINT_STEPS steps, then saved.
 CHECKPOINT_RUN, CHECKPOINT_STEPS = ("hf_gpt2", "eager", "sgd"), 2
 CHECKPOINT_KEY = "checkpoint-dcp"
@@ -129,9 +134,19 @@ def master_case(api: str) -> Case:
     return case(MASTER_MODEL, api, master_dtype=torch.bfloat16)
 
 
+def offload_cases() -> list[Case]:
+    """(case, reference kind, max_norm) of the offloaded runs."""
+    off = {"offload": "optimizer"}
+    fp32 = [case(m, "shard", **off) for m in OFFLOAD_MODELS]
+    clipped = case(OFFLOAD_CLIP[0], "shard", max_norm=OFFLOAD_CLIP[1], **off)
+    bf16 = case("mlp", "shard", param_dtype=torch.bfloat16, **off)
+    units = case("gpt_tied", COMPILED_UNITS, **off)
+    return [*fp32, clipped, bf16, units]
+
+
 def all_cases() -> list[Case]:
     bf16 = [bf16_case(m) for m in BF16_MODELS]
-    return fp32_cases() + bf16 + [master_case(a) for a in MASTER_APIS]
+    return fp32_cases() + bf16 + [master_case(a) for a in MASTER_APIS] + offload_cases()
 
 
 def graphed_key(config: tuple[str, ...], graphs: bool) -> str:
@@ -263,10 +278,11 @@ def outcome(key: str) -> list[dict]:
 
 
 @functools.cache
-def reference(model: str, dtype: str = "fp32") -> Reference:
+def reference(model: str, dtype: str = "fp32", max_norm: float | None = None) -> Reference:
     """The unsharded reference at the group's world size: "fp32", "bf16" (the forward under
-    bf16 autocast, fp32 weights) or "bf16_model" (the model in bf16, trained wholly in it)."""
-    kw: dict[str, Any] = {}
+    bf16 autocast, fp32 weights) or "bf16_model" (the model in bf16, trained wholly in it);
+    clipped to `max_norm`."""
+    kw: dict[str, Any] = {"max_norm": max_norm}
     if dtype == "bf16":
         kw["autocast_dtype"] = torch.bfloat16
     elif dtype == "bf16_model":

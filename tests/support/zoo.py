@@ -435,7 +435,7 @@ class Case:
     # alone, so that a failure in one case cannot leave stale messages for the next one.
     default_group: bool = False
     # Step through zrs.GraphedStep (a fused SGD, clipped to max_norm when given) instead of
-    # opt.step().
+    # opt.step(); without it, max_norm clips with torch.nn.utils.clip_grad_norm_ first.
     graphed_step: bool = False
     max_norm: float | None = None
     # The model cast to it and zrs's master_dtype= (None: neither, the default fp32 masters).
@@ -455,6 +455,8 @@ class Case:
         sched = "" if self.scheduler is None else f"-{self.scheduler}"
         where = "" if self.device == "cpu" else f"-{self.device}"
         graphed = f"-graphed{self.max_norm or ''}" if self.graphed_step else ""
+        if self.max_norm is not None and not self.graphed_step:
+            graphed = f"-clip{self.max_norm}"
         master = "" if self.master_dtype is None else f"-m{str(self.master_dtype).split('.')[-1]}"
         streams = "-side-streams" if self.comm_streams else ""
         offload = f"-offload-{self.offload}" if self.offload else ""
@@ -568,6 +570,8 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
         )
         loss = spec.loss(runner, batch)
         loss.backward()
+        if case.max_norm is not None and not case.graphed_step:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), case.max_norm)
         optimizer_step()
         losses.append(loss.item())
     graphs = counters["stats"]["unique_graphs"]

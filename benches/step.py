@@ -37,6 +37,7 @@ Systems:
   zrs_shard_compile
                    the same with each layer's forward compiled by inductor, zrs.shard(model,
                    compile=True): FSDP2 + compile's split of the work
+  zrs_offload      the same with offload="optimizer": fp32 masters and AdamW on the host
   fsdp2_eager      fully_shard per block and on the root, MixedPrecisionPolicy(bf16, fp32)
   fsdp2_compile    the same with each block torch.compile'd (fullgraph), as torchtitan does
   single           one GPU (rank 0 only), unsharded bf16 parameters, whole model compiled: the
@@ -45,6 +46,8 @@ Systems:
                    mixed-precision recipe as the sharded systems (fp32 master weights, optimizer
                    and gradients), the bound that the sharding alone is measured against
   deepspeed_zero3  DeepSpeed ZeRO-3, eager, bf16 (only when deepspeed imports)
+  deepspeed_offload
+                   the same with offload_optimizer on the CPU (its CPUAdam)
   deepcompile      DeepSpeed ZeRO-3 with DeepCompile: "compile": {"deepcompile": true} and
                    engine.compile() (at least 8 warm-up steps; its passes run at step 5)
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from systems.common import Built, Ctx, adamw
 
-DEEPSPEED_SYSTEMS = ("deepspeed_zero3", "deepcompile")
+DEEPSPEED_SYSTEMS = ("deepspeed_zero3", "deepcompile", "deepspeed_offload")
 _DEEPSPEED_RAN: list[str] = []  # DeepSpeed systems run in this process
 DEEPCOMPILE_MIN_WARMUP = 8  # DeepCompile runs its profile-guided passes at step 5
 
@@ -37,7 +37,9 @@ def claim(system: str) -> None:
     _DEEPSPEED_RAN.append(system)
 
 
-def build_deepspeed(ctx: Ctx, deepcompile: bool) -> Built:
+def build_deepspeed(ctx: Ctx, deepcompile: bool, offload: bool = False) -> Built:
+    """ZeRO-3 (`deepcompile`: with DeepCompile; `offload`: the optimizer on the host, where
+    DeepSpeed steps its CPUAdam, built from the config as its offload expects)."""
     import deepspeed
 
     if ctx.param_dtype != torch.bfloat16:
@@ -53,6 +55,10 @@ def build_deepspeed(ctx: Ctx, deepcompile: bool) -> Built:
         "zero_optimization": {"stage": 3},
         "compile": {"deepcompile": deepcompile},
     }
+    if offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        adam = {"lr": ctx.args.lr, "betas": [0.9, 0.95], "weight_decay": 0.1}
+        config["optimizer"] = {"type": "AdamW", "params": adam}
     torch.manual_seed(ctx.args.seed)
     if ctx.args.ds_init == "zero_init":
         # DeepSpeed's way for ZeRO-3: each module is partitioned as soon as it is constructed.
@@ -63,8 +69,13 @@ def build_deepspeed(ctx: Ctx, deepcompile: bool) -> Built:
         # (7b: 27 GB for a moment).
         with torch.device(ctx.device):
             model = ctx.spec.build()
-    opt = adamw(model.parameters(), ctx)
-    engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    if offload:
+        engine, opt, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=config
+        )
+    else:
+        opt = adamw(model.parameters(), ctx)
+        engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     del model
     if deepcompile:
         # DeepCompile recompiles when its passes run; its own benchmark raises these limits.
@@ -95,4 +106,5 @@ def build_deepspeed(ctx: Ctx, deepcompile: bool) -> Built:
 BUILDERS: dict[str, Callable[[Ctx], Built]] = {
     "deepspeed_zero3": lambda ctx: build_deepspeed(ctx, deepcompile=False),
     "deepcompile": lambda ctx: build_deepspeed(ctx, deepcompile=True),
+    "deepspeed_offload": lambda ctx: build_deepspeed(ctx, deepcompile=False, offload=True),
 }

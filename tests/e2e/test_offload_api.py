@@ -103,3 +103,15 @@ def test_what_offload_refuses():
     opt.found_inf = torch.zeros(())  # as torch.amp.GradScaler and zrs.GraphedStep hand it
     with pytest.raises(zrs.ZrsError, match="does not read the found_inf"):
         opt.step()
+
+
+def test_the_ranks_of_a_host_split_its_cores(monkeypatch):
+    from zrs.runtime import offload
+
+    monkeypatch.setattr(offload.os, "sched_getaffinity", lambda _: set(range(32)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert offload.host_threads() == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")
+    assert offload.host_threads() == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert offload.host_threads() == 32

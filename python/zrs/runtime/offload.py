@@ -19,6 +19,7 @@ host gradient (a norm for clipping) runs its collective there.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
@@ -31,14 +32,21 @@ from zrs.runtime.host_optim import HostOptimizer
 CHOICES = ("optimizer",)
 
 
+def host_threads() -> int:
+    """This rank's share of the cores it may run on: the ranks of one host (torchrun's
+    LOCAL_WORLD_SIZE) split them, so that their host updates do not oversubscribe the host."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
 class Offload:
     """One model's host side: the host optimizer's threads, and the gradients hidden from
     torch's update while a step runs."""
 
-    def __init__(self, device: torch.device, threads: int = 0) -> None:
+    def __init__(self, device: torch.device, threads: int | None = None) -> None:
         self.device = device
         self.pinned = device.type == "cuda"
-        self.host = HostOptimizer.start(threads)
+        self.host = HostOptimizer.start(host_threads() if threads is None else threads)
         self.hidden: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> grad
         self.staged: dict[int, torch.Tensor] = {}  # ds_id -> pinned compute-dtype copy
         self.copied: torch.cuda.Event | None = None  # the last step's copies to the device

@@ -3,7 +3,8 @@
 Four groups of gloo workers run in order, each a fresh set of processes:
 
 * world 2 trains, saves (PyTorch's DCP recipe with SGD-momentum on inductor and on `zrs.shard`,
-  `zrs.checkpoint`'s async save with AdamW on eager), trains on uninterrupted, and checks the
+  and with AdamW on `zrs.shard(offload="optimizer")`; `zrs.checkpoint`'s async save with AdamW on
+  eager), trains on uninterrupted, and checks the
   ordinary calls on a compiled and on an eager (`zrs.shard`) model: clip, GradScaler, hooks, full
   state dicts in and out, `save_pretrained`; and bad checkpoints;
 * world 1 and world 3 load world 2's checkpoints (world 3 saves what it loaded);
@@ -40,6 +41,8 @@ RUNS = (
     ("hf_gpt2", "eager", "adamw", "zrs_async"),
     ("scalar_param", "eager", "sgd", "zrs"),
     ("hf_gpt2", "shard", "sgd", "dcp"),
+    # the masters and AdamW's moments on the host (zrs.shard(offload="optimizer"))
+    ("hf_gpt2", "shard-offload", "adamw", "dcp"),
 )
 # zrs.compile's backends for the ordinary calls, and "shard": zrs.shard, the eager path
 CALLS = ("eager", "shard")

@@ -115,3 +115,33 @@ def test_the_ranks_of_a_host_split_its_cores(monkeypatch):
     assert offload.host_threads() == 1
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert offload.host_threads() == 32
+
+
+# DCP warns that it assumes one process: that is this test's intent.
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_a_dcp_resume_in_one_process_continues_exactly(tmp_path):
+    """PyTorch's DCP recipe without torch.distributed (plain tensors); with DTensors on several
+    ranks, DCP's load bumps no version counter of the masters it writes: tests/e2e/
+    test_checkpoint.py resumes an offloaded run at world 2, and loads it at 1 and 3."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def state(model, opt):
+        model_sd, optim_sd = get_state_dict(model, opt)
+        return {"model": model_sd, "optim": optim_sd}
+
+    base = _model()
+    first = zrs.shard(copy.deepcopy(base), offload="optimizer")
+    opt = torch.optim.AdamW(first.parameters(), lr=1e-2)
+    _train(first, opt, range(2))
+    dcp.save(state(first, opt), checkpoint_id=str(tmp_path))
+    want = _train(first, opt, range(2, 4))
+
+    resumed = zrs.shard(copy.deepcopy(base), offload="optimizer")
+    opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    content = state(resumed, opt)
+    dcp.load(content, checkpoint_id=str(tmp_path))
+    set_state_dict(
+        resumed, opt, model_state_dict=content["model"], optim_state_dict=content["optim"]
+    )
+    assert _train(resumed, opt, range(2, 4)) == want

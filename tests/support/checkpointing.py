@@ -3,8 +3,8 @@ checkpoint): a zoo model sharded by zrs with its optimizer, trained a few steps,
 loaded with PyTorch's DCP recipe, and its whole state gathered for comparison.
 
 A run is a tuple `(model, zrs backend, optimizer, ...)`: the model's name in the zoos
-(`zoo.spec_of`), a zrs.compile backend or "shard" (zrs.shard, the eager path), "sgd" (SGD with
-momentum) or "adamw".
+(`zoo.spec_of`), a zrs.compile backend or "shard" (zrs.shard, the eager path; "shard-offload"
+with the optimizer on the host), "sgd" (SGD with momentum) or "adamw".
 """
 
 from __future__ import annotations
@@ -27,12 +27,15 @@ def optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
 
 
 def sharded(spec: Any, backend: str, device: str = "cpu") -> torch.nn.Module:
-    """The zoo model on `device`, sharded by zrs.shard ("shard") or zrs.compile(backend=)."""
+    """The zoo model on `device`, sharded by zrs.shard ("shard"; "shard-offload": with
+    offload="optimizer") or zrs.compile(backend=)."""
     import zrs
 
     model = spec.build().to(device)
     if backend == "shard":
         return zrs.shard(model)
+    if backend == "shard-offload":
+        return zrs.shard(model, offload="optimizer")
     return zrs.compile(model, backend=backend)
 
 

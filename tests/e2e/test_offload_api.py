@@ -145,3 +145,19 @@ def test_a_dcp_resume_in_one_process_continues_exactly(tmp_path):
         resumed, opt, model_state_dict=content["model"], optim_state_dict=content["optim"]
     )
     assert _train(resumed, opt, range(2, 4)) == want
+
+
+def test_gradient_accumulation_adds_on_the_host():
+    """Two micro-batches a step: the second backward adds into the host gradients."""
+    plain = _model()
+    model = zrs.shard(copy.deepcopy(plain), offload="optimizer")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (plain, model)]
+    for step in range(3):
+        for m, opt in zip((plain, model), opts, strict=True):
+            opt.zero_grad(set_to_none=step != 1)  # kept and zeroed in place once
+            for micro in range(2):
+                (m(_batch(10 * step + micro)).square().mean() / 2).backward()
+            opt.step()
+    full = zrs.full_state_dict(model)
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(full[name], p.detach(), rtol=1e-6, atol=1e-7)

@@ -3,8 +3,10 @@ optimizer state live in host memory (pinned beside a GPU), and the optimizer ste
 
 - Each parameter's `shard` and `param` (the DTensor users and optimizers see) are the host master;
   the device holds `ParamHandle.compute`, this rank's shard in the compute dtype, which the eager
-  path's gathers read. A copy is refreshed from the master whenever the master's version moved (a
-  load, a user's in-place write), so nothing reads a stale copy.
+  path's gathers read. The host step writes it; it is made again from the master after a
+  `state_dict()` or `load_state_dict` (checkpointing/state_dict.py) or when the shard's version
+  moved. An in-place write to the DTensor parameter between steps moves no counter zrs can read
+  and is not seen until the next step (docs/offload.md).
 - Reduced gradients come to the host as they are accumulated (`to_host`): `param.grad` is a host
   tensor, as the optimizer and `clip_grad_norm_` see it.
 - The user's stock optimizer (torch.optim.AdamW, Adam or SGD over `model.parameters()`) keeps

@@ -161,3 +161,33 @@ def test_gradient_accumulation_adds_on_the_host():
     full = zrs.full_state_dict(model)
     for name, p in plain.named_parameters():
         torch.testing.assert_close(full[name], p.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_in_place_writes_to_the_dtensor_parameters_reach_the_device_copy(tmp_path):
+    """With a process group the parameters are DTensors, and an in-place op on one runs below
+    autograd on its local tensor: neither the master's version nor the local's moves, only the
+    DTensor's own. The next forward must still read the written values."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        plain = _model()
+        model = zrs.shard(copy.deepcopy(plain), offload="optimizer", param_dtype=torch.bfloat16)
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        x = _batch(0)
+        model(x)  # gathered once from the first copy
+        with torch.no_grad():
+            (w0, b0, w1, b1), (pw0, pb0, pw1, pb1) = model.parameters(), plain.parameters()
+            for mine, theirs in ((w0, pw0), (b1, pb1)):
+                mine.mul_(0.5)
+                theirs.mul_(0.5)
+            b0.fill_(0.25)
+            pb0.fill_(0.25)
+            w1.to_local().add_(1.0)
+            pw1.add_(1.0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = plain(x)
+        torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+    finally:
+        dist.destroy_process_group()

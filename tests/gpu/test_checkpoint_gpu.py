@@ -38,3 +38,12 @@ def test_a_checkpoint_saved_by_the_group_loads_in_one_process() -> None:
     assert not torch.distributed.is_initialized()
     ckpt.dcp_load(model, opt, group.checkpoint_dir(group.root()))
     ckpt.assert_equal(ckpt.full(model, opt), saved, "loaded in one process")
+
+
+def test_an_offloaded_run_resumed_from_dcp_matches_the_uninterrupted_one() -> None:
+    """Offload under NCCL: masters and AdamW state on the host, saved and loaded by DCP; the
+    device copies the resumed run trains from must be made from the loaded masters."""
+    for rank, r in enumerate(group.outcome(group.OFFLOAD_RESUME_KEY)):
+        reemit_warnings(r["warnings"], where=f"rank {rank}, the offloaded resume")
+        assert r["uninterrupted"]["optim"], "the offloaded optimizer has no state"
+        ckpt.assert_equal(r["resumed"], r["uninterrupted"], f"rank {rank}'s resumed run")

@@ -86,6 +86,10 @@ OFFLOAD_MODELS, OFFLOAD_CLIP = ("gpt_tied", "frozen", "bias_stack"), ("gpt_tied"
 # The checkpoint: (model, zrs backend, optimizer), trained CHECKPOINT_STEPS steps, then saved.
 CHECKPOINT_RUN, CHECKPOINT_STEPS = ("hf_gpt2", "eager", "sgd"), 2
 CHECKPOINT_KEY = "checkpoint-dcp"
+# Offload (issue 37) under NCCL: AdamW saved by DCP after 2 steps and resumed for 2 more, against
+# the same 4 steps uninterrupted.
+OFFLOAD_RESUME_RUN = ("hf_gpt2", "shard-offload", "adamw")
+OFFLOAD_RESUME_KEY = "offload-resume-dcp"
 # zrs.GraphedStep: (zoo model, dtype, optimizer, zrs backend). "bf16_reduce": bf16 compute and
 # reduction, each .grad a cast that the captured step keeps in place.
 GRAPHED = (
@@ -171,6 +175,9 @@ def run_group(
     out[CHECKPOINT_KEY] = run_isolated(
         functools.partial(_save_checkpoint, rank, device, root), CHECKPOINT_KEY
     )
+    out[OFFLOAD_RESUME_KEY] = run_isolated(
+        functools.partial(_resume_offloaded, rank, device, root), OFFLOAD_RESUME_KEY
+    )
     # Bit for bit needs the forward and backward to be, too: the embedding's backward otherwise
     # sums with atomics, in an order that changes from run to run (seen: gpt_tied, fp32 AdamW).
     torch.use_deterministic_algorithms(True)
@@ -194,6 +201,19 @@ def _save_checkpoint(rank: int, device: str, root: str) -> dict:
     ckpt.train(spec, model, opt, rank, range(CHECKPOINT_STEPS), device)
     ckpt.dcp_save(model, opt, checkpoint_dir(root))
     return {"saved": ckpt.full(model, opt)}
+
+
+def _resume_offloaded(rank: int, device: str, root: str) -> dict:
+    where = os.path.join(root, "-".join(OFFLOAD_RESUME_RUN))
+    spec, model, opt = ckpt.new(OFFLOAD_RESUME_RUN, device)
+    ckpt.train(spec, model, opt, rank, range(2), device)
+    ckpt.dcp_save(model, opt, where)
+    ckpt.train(spec, model, opt, rank, range(2, 4), device)
+    uninterrupted = ckpt.full(model, opt)
+    spec, model, opt = ckpt.new(OFFLOAD_RESUME_RUN, device)
+    ckpt.dcp_load(model, opt, where)
+    ckpt.train(spec, model, opt, rank, range(2, 4), device)
+    return {"uninterrupted": uninterrupted, "resumed": ckpt.full(model, opt)}
 
 
 def _train_graphed(config: tuple[str, ...], graphs: bool, rank: int, device: str) -> dict:

@@ -43,7 +43,7 @@ def _mark_saved(module: nn.Module, state_dict: dict, prefix: str, local_metadata
         # The state dict's tensors alias the masters, and what writes them next may bump no
         # version counter (DCP's in-place load): with offload, the device copy is made again
         # from the master before its next gather (and after a load_state_dict, above).
-        h.compute_version = -1
+        h.compute_version = None
         value = state_dict.get(prefix + name)
         if isinstance(value, DTensor):
             setattr(value, _SAVED_BY, (h.state.rank, h.state.world_size))
@@ -72,7 +72,7 @@ def _take_local_rows(
     """Before `module` loads: keep this rank's rows of each full tensor, and refuse another
     rank's shards."""
     for name, h in _sharded(module).items():
-        h.compute_version = -1  # with offload: the device copy is made again after the load
+        h.compute_version = None  # with offload: the device copy is made again after the load
         key = prefix + name
         value = state_dict.get(key)
         if isinstance(value, DTensor):

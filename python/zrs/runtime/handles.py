@@ -87,9 +87,16 @@ class ParamHandle:
     name: str = ""  # its qualified name in the model, for error messages
     # With offload (runtime/offload.py) `shard` and `param` are the fp32 master on the host, and
     # the gathers read `compute`: this rank's shard on the device in the compute dtype, a copy of
-    # `shard` as of its version `compute_version`.
+    # the master as of its `versions()` `compute_version` (None: stale, made again when read).
     compute: torch.Tensor | None = None
-    compute_version: int = -1
+    compute_version: tuple[int, int, int] | None = None
+
+    def versions(self) -> tuple[int, int, int]:
+        """The counters an in-place write to the master moves: the flat shard's and, since a
+        write through the DTensor parameter moves neither the shard's nor its local tensor's
+        (the op runs below autograd), the parameter's own and its local tensor's."""
+        local = self.param._local_tensor if isinstance(self.param, DTensor) else self.param
+        return (self.shard._version, self.param._version, local._version)
 
     @property
     def compute_dtype(self) -> torch.dtype:

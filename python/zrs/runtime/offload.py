@@ -4,9 +4,9 @@ optimizer state live in host memory (pinned beside a GPU), and the optimizer ste
 - Each parameter's `shard` and `param` (the DTensor users and optimizers see) are the host master;
   the device holds `ParamHandle.compute`, this rank's shard in the compute dtype, which the eager
   path's gathers read. The host step writes it; it is made again from the master after a
-  `state_dict()` or `load_state_dict` (checkpointing/state_dict.py) or when the shard's version
-  moved. An in-place write to the DTensor parameter between steps moves no counter zrs can read
-  and is not seen until the next step (docs/offload.md).
+  `state_dict()` or `load_state_dict` (checkpointing/state_dict.py) or when one of the master's
+  version counters moved (`ParamHandle.versions()`: a write through the DTensor parameter
+  moves only its own).
 - Reduced gradients come to the host as they are accumulated (`to_host`): `param.grad` is a host
   tensor, as the optimizer and `clip_grad_norm_` see it.
 - The user's stock optimizer (torch.optim.AdamW, Adam or SGD over `model.parameters()`) keeps
@@ -70,7 +70,7 @@ class Offload:
     def refresh(hs: Iterable[ParamHandle]) -> None:
         """Copy each master whose version moved since its device copy was made."""
         for h in hs:
-            version = h.shard._version
+            version = h.versions()
             if h.compute is not None and h.compute_version != version:
                 with torch.no_grad():
                     h.compute.copy_(h.shard, non_blocking=True)
@@ -123,7 +123,7 @@ class Offload:
                     h.compute.copy_(h.shard, non_blocking=True)
                 elif copy.device != h.compute.device:  # staged beside a GPU
                     h.compute.narrow(0, 0, h.local_numel).copy_(copy, non_blocking=True)
-                h.compute_version = h.shard._version
+                h.compute_version = h.versions()
         if self.pinned:
             self.copied = torch.cuda.Event()
             self.copied.record()

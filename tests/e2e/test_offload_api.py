@@ -170,7 +170,9 @@ def test_in_place_writes_to_the_dtensor_parameters_reach_the_device_copy(tmp_pat
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
     try:
         plain = _model()
         model = zrs.shard(copy.deepcopy(plain), offload="optimizer", param_dtype=torch.bfloat16)

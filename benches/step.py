@@ -38,6 +38,8 @@ Systems:
                    the same with each layer's forward compiled by inductor, zrs.shard(model,
                    compile=True): FSDP2 + compile's split of the work
   zrs_offload      the same with offload="optimizer": fp32 masters and AdamW on the host
+  zrs_offload_overlap
+                   the same, its AdamW updates run during the backward (zrs.OverlappedStep)
   fsdp2_eager      fully_shard per block and on the root, MixedPrecisionPolicy(bf16, fp32)
   fsdp2_compile    the same with each block torch.compile'd (fullgraph), as torchtitan does
   single           one GPU (rank 0 only), unsharded bf16 parameters, whole model compiled: the

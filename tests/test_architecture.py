@@ -119,8 +119,9 @@ RUNTIME_TIERS = [
     # the process index: parameter handles and the live models (`LIVE`)
     {"handles"},
     # one model's state: `ZeroState`, what one step holds (`StepState`), gradients at fixed
-    # addresses, parameters added after the sharding (`Additions`), its host side (`Offload`)
-    {"additions", "grad_store", "offload", "step", "state"},
+    # addresses, parameters added after the sharding (`Additions`), its host side (`Offload`,
+    # and its updates during the backward, `Overlap`)
+    {"additions", "grad_store", "offload", "overlap", "step", "state"},
     # the collectives and their communicators
     {"collectives"},
     # the compiled path's work: the gathered parameters, the gradients

@@ -1,7 +1,8 @@
 """The zrs systems: zrs (zrs.compile), zrs_graphed (its AdamW step one CUDA graph, zrs.GraphedStep),
 zrs_captured (the whole step one CUDA graph, zrs.CapturedStep), zrs_eager (zrs.shard, no
-torch.compile), zrs_shard_compile (zrs.shard with each layer compiled) and zrs_offload (the same,
-the masters and the AdamW step on the host); their builder, their piece of the registry, and the
+torch.compile), zrs_shard_compile (zrs.shard with each layer compiled), zrs_offload (the same,
+the masters and the AdamW step on the host) and zrs_offload_overlap (that step run during the
+backward, zrs.OverlappedStep); their builder, their piece of the registry, and the
 zrs.compile ones' record fields."""
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ def build_zrs(
     captured: bool = False,
     compiled_layers: bool = False,
     offload: bool = False,
+    overlap: bool = False,
 ) -> Built:
     """zrs.compile (the --zrs-* options are its), or zrs.shard: the same sharding, trained
     eagerly by module hooks (`compiled_layers`: each layer's forward compiled by inductor). `graphed`: the optimizer step replayed as a CUDA graph
     (zrs.GraphedStep, without clipping or the non-finite check, as the other systems step).
     `captured`: also the forward and backward, the whole step one graph (zrs.CapturedStep).
-    `offload`: zrs.shard(offload="optimizer"), the AdamW step on the host (not fused there)."""
+    `offload`: zrs.shard(offload="optimizer"), the AdamW step on the host (not fused there);
+    `overlap`: run by zrs.OverlappedStep during the backward."""
     import zrs
 
     if ctx.args.zrs_reduces_in_flight is not None:
@@ -58,6 +61,8 @@ def build_zrs(
     graphed = graphed or captured
     opt = adamw(model.parameters(), ctx, fused=True if graphed else False if offload else None)
     stepper = zrs.GraphedStep(opt, check_finite=False) if graphed else None
+    if overlap:
+        stepper = zrs.OverlappedStep(opt)
     step = plain_step(model, opt, spec, stepper)
     return Built(
         zrs.CapturedStep(step) if captured else step,
@@ -85,6 +90,9 @@ BUILDERS: dict[str, Callable[[Ctx], Built]] = {
     "zrs_eager": lambda ctx: build_zrs(ctx, compiled=False),
     "zrs_shard_compile": lambda ctx: build_zrs(ctx, compiled=False, compiled_layers=True),
     "zrs_offload": lambda ctx: build_zrs(ctx, compiled=False, compiled_layers=True, offload=True),
+    "zrs_offload_overlap": lambda ctx: build_zrs(
+        ctx, compiled=False, compiled_layers=True, offload=True, overlap=True
+    ),
 }
 COMPILED = ("zrs", "zrs_graphed", "zrs_captured")  # the zrs.compile ones: record_fields
 

@@ -20,12 +20,13 @@ from zrs._core import BudgetInfeasibleError, ZrsError
 from zrs.checkpointing import full_state_dict
 from zrs.prepare import InitFn
 from zrs.runtime import ops as _ops  # noqa: F401  (registers the torch.ops.zrs namespace)
-from zrs.step import CapturedStep, GraphedStep
+from zrs.step import CapturedStep, GraphedStep, OverlappedStep
 
 __all__ = [
     "BudgetInfeasibleError",
     "CapturedStep",
     "GraphedStep",
+    "OverlappedStep",
     "ZrsError",
     "checkpoint",
     "compile",

@@ -18,25 +18,41 @@ WORLD_SIZES = (1, 2, 3)
 MODELS = tuple(ZOO)
 BF16_MODELS = ("mlp", "gpt_tied")
 RTOL, ATOL = 1e-5, 1e-6
+# zrs.OverlappedStep (the updates during the backward): (world, model, max_norm)
+OVERLAPPED = [
+    (2, "gpt_tied", None),
+    (2, "gpt_tied", 0.05),
+    (3, "bias_stack", None),
+    (3, "frozen", 0.05),
+]
 
 pytestmark = pytest.mark.slow
 
 
-def _case(model: str, bf16: bool = False) -> Case:
+def _case(model: str, bf16: bool = False, **kw: object) -> Case:
     dtypes = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if bf16 else {}
-    return Case(model, "shard", offload="optimizer", default_group=False, **dtypes)
+    return Case(model, "shard", offload="optimizer", default_group=False, **dtypes, **kw)
+
+
+def _overlapped(model: str, max_norm: float | None) -> Case:
+    return _case(model, overlapped=True, max_norm=max_norm)
 
 
 def _group(world: int) -> list[dict[str, dict]]:
     cases = [_case(m) for m in MODELS]
     if world == 2:
         cases += [_case(m, bf16=True) for m in BF16_MODELS]
+    cases += [_overlapped(m, norm) for w, m, norm in OVERLAPPED if w == world]
     return cached_run(("offload", world), run_cases, world, cases)
 
 
 @functools.cache
-def _reference(model: str, world: int, bf16: bool = False) -> Reference:
-    return train_reference(ZOO[model], world, autocast_dtype=torch.bfloat16 if bf16 else None)
+def _reference(
+    model: str, world: int, bf16: bool = False, max_norm: float | None = None
+) -> Reference:
+    return train_reference(
+        ZOO[model], world, autocast_dtype=torch.bfloat16 if bf16 else None, max_norm=max_norm
+    )
 
 
 def _fail(what: str, problems: list[str]) -> None:
@@ -69,4 +85,19 @@ def test_offloaded_bf16_matches_autocast_reference(model: str) -> None:
     _fail(
         f"{model} offloaded with bf16 compute (world 2) differs from the autocast reference",
         bf16_problems(per_rank, _reference(model, 2, bf16=True)),
+    )
+
+
+@pytest.mark.parametrize(("world", "model", "max_norm"), OVERLAPPED, ids=str)
+def test_updates_during_the_backward_match_reference(world: int, model: str, max_norm) -> None:
+    """zrs.OverlappedStep: each parameter's update runs as its gradient reaches the host (with
+    max_norm, after the backward's global norm and clip)."""
+    case = _overlapped(model, max_norm)
+    per_rank = case_outcome(_group(world), case.key, brief=False)
+    ref = _reference(model, world, max_norm=max_norm)
+    _fail(
+        f"{case.key} (world {world}) differs from the unsharded reference",
+        fp32_problems(
+            per_rank, ZOO[model], ref, rtol=RTOL, atol=ATOL, loss_rtol=RTOL, loss_atol=ATOL
+        ),
     )

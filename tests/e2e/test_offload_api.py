@@ -5,6 +5,7 @@ state dict continues as if uninterrupted, and what offload cannot do raises a Zr
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -193,3 +194,77 @@ def test_in_place_writes_to_the_dtensor_parameters_reach_the_device_copy(tmp_pat
         torch.testing.assert_close(model(x), want, rtol=0, atol=0)
     finally:
         dist.destroy_process_group()
+
+
+def _overlapped(max_norm: float | None = None, **kw):
+    model = zrs.shard(_model(), offload="optimizer", **kw)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return model, opt, zrs.OverlappedStep(opt, max_norm=max_norm)
+
+
+@pytest.mark.parametrize("max_norm", [None, 0.05])
+def test_updates_during_the_backward_match_torch(max_norm):
+    """zrs.OverlappedStep: the updates run as the gradients arrive (with max_norm after the
+    backward, clipped as clip_grad_norm_ clips); the step returns the norm."""
+    plain = _model()
+    ref = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1)
+    model, opt, step = _overlapped(max_norm)
+    for n in range(4):
+        ref.zero_grad()
+        plain(_batch(n)).square().mean().backward()
+        want = (
+            None
+            if max_norm is None
+            else torch.nn.utils.clip_grad_norm_(plain.parameters(), max_norm)
+        )
+        ref.step()
+        opt.zero_grad()
+        model(_batch(n)).square().mean().backward()
+        norm = step()
+        if max_norm is None:
+            assert norm is None
+        else:
+            torch.testing.assert_close(torch.tensor(norm, dtype=torch.float32), want)
+        assert all(p.grad is not None for p in model.parameters())
+    full = zrs.full_state_dict(model)
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(full[name], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_non_finite_norm_skips_the_overlapped_step():
+    model, opt, step = _overlapped(max_norm=1.0)
+    before = {k: v.clone() for k, v in zrs.full_state_dict(model).items()}
+    opt.zero_grad()
+    (model(_batch(0)).square().mean() * float("inf")).backward()
+    assert not math.isfinite(step()) and step.skipped_steps == 1
+    for k, v in zrs.full_state_dict(model).items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    opt.zero_grad()
+    model(_batch(1)).square().mean().backward()
+    step()
+    assert step.skipped_steps == 1
+    assert any(not torch.equal(v, before[k]) for k, v in zrs.full_state_dict(model).items())
+
+
+def test_what_the_overlapped_step_refuses():
+    model, opt, step = _overlapped()
+    model(_batch(0)).square().mean().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(zrs.ZrsError, match=r"changed after its update ran.*max_norm"):
+        step()
+
+    model, opt, step = _overlapped()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model(_batch(0)).square().mean().backward()
+    with pytest.warns(UserWarning, match="lr_scheduler.step"):
+        sched.step()  # before the optimizer's step: the updates read the old lr
+    with pytest.raises(zrs.ZrsError, match="hyperparameter changed"):
+        step()
+
+    model, opt, step = _overlapped()
+    model(_batch(0)).square().mean().backward()
+    with pytest.raises(zrs.ZrsError, match=r"still had a gradient.*set_to_none"):
+        model(_batch(1)).square().mean().backward()  # accumulation
+
+    with pytest.raises(zrs.ZrsError, match=r'offload="optimizer"'):
+        zrs.OverlappedStep(torch.optim.AdamW(zrs.shard(_model()).parameters()))

@@ -145,7 +145,13 @@ def offload_cases() -> list[Case]:
     clipped = case(OFFLOAD_CLIP[0], "shard", max_norm=OFFLOAD_CLIP[1], **off)
     bf16 = case("mlp", "shard", param_dtype=torch.bfloat16, **off)
     units = case("gpt_tied", COMPILED_UNITS, **off)
-    return [*fp32, clipped, bf16, units]
+    accumulated = case("mlp", "shard", accumulate=2, **off)
+    overlapped = [
+        case("gpt_tied", "shard", overlapped=True, **off),
+        case(OFFLOAD_CLIP[0], "shard", max_norm=OFFLOAD_CLIP[1], overlapped=True, **off),
+        case("mlp", COMPILED_UNITS, param_dtype=torch.bfloat16, overlapped=True, **off),
+    ]
+    return [*fp32, clipped, bf16, units, accumulated, *overlapped]
 
 
 def all_cases() -> list[Case]:

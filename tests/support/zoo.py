@@ -448,6 +448,12 @@ class Case:
     generate: bool = True
     # zrs.shard's offload= (the masters and the optimizer step on the host).
     offload: str | None = None
+    # Backwards a step: each of the same batch with the loss divided by it, so that the summed
+    # gradient is the reference's (accumulation across micro-batches).
+    accumulate: int = 1
+    # Step through zrs.OverlappedStep (offload's updates during the backward, clipped to
+    # max_norm when given) instead of opt.step().
+    overlapped: bool = False
 
     @property
     def key(self) -> str:
@@ -460,8 +466,11 @@ class Case:
         master = "" if self.master_dtype is None else f"-m{str(self.master_dtype).split('.')[-1]}"
         streams = "-side-streams" if self.comm_streams else ""
         offload = f"-offload-{self.offload}" if self.offload else ""
+        acc = f"-acc{self.accumulate}" if self.accumulate > 1 else ""
+        acc += "-overlapped" if self.overlapped else ""
         return (
             f"{self.backend}{sched}-{self.model}{dtype}{master}{where}{graphed}{streams}{offload}"
+            f"{acc}"
         )
 
 
@@ -561,7 +570,11 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
     opt = torch.optim.SGD(
         model.parameters(), lr=LR, momentum=MOMENTUM, fused=True if case.graphed_step else None
     )
-    optimizer_step = zrs.GraphedStep(opt, max_norm=case.max_norm) if case.graphed_step else opt.step
+    optimizer_step = opt.step
+    if case.graphed_step:
+        optimizer_step = zrs.GraphedStep(opt, max_norm=case.max_norm)
+    elif case.overlapped:
+        optimizer_step = zrs.OverlappedStep(opt, max_norm=case.max_norm)
     losses = []
     for step in range(case.steps):
         opt.zero_grad(set_to_none=True)
@@ -569,8 +582,10 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
             lambda t: t.to(device) if isinstance(t, Tensor) else t, spec.batch(rank, step)
         )
         loss = spec.loss(runner, batch)
-        loss.backward()
-        if case.max_norm is not None and not case.graphed_step:
+        (loss / case.accumulate).backward()
+        for _ in range(case.accumulate - 1):
+            (spec.loss(runner, batch) / case.accumulate).backward()
+        if case.max_norm is not None and not (case.graphed_step or case.overlapped):
             torch.nn.utils.clip_grad_norm_(model.parameters(), case.max_norm)
         optimizer_step()
         losses.append(loss.item())

@@ -221,21 +221,31 @@ def accumulate_grad(h: ParamHandle, flat: torch.Tensor) -> None:
         return
     local = flat if h.local_numel == h.shard_numel else flat.narrow(0, 0, h.local_numel)
     local = local.view(h.local_shape)
-    if h.state.offload is not None:  # the optimizer reads it on the host
-        local = h.state.offload.to_host(local, param.dtype)
-    if param.grad is None:
+    offload = h.state.offload  # with it, the optimizer reads the gradient on the host
+    grad = param.grad
+    if grad is not None:
+        # accumulation across micro-batches (add_ casts); with offload, once the copy arrives
+        into = grad._local_tensor if isinstance(grad, DTensor) else grad
+        if offload is None:
+            into.add_(local)
+        else:
+            offload.to_host(local, param.dtype, into)
+            offload.received(h, accumulated=True)
+    else:
+        if offload is not None:
+            local = offload.to_host(local, param.dtype)
         # The reduce-scatter's output is the gradient: the .grad are views into it (no copy; the
         # output lives as long as any of its gradients).
         if local.dtype != param.dtype:
             store = h.state.grad_store
             local = local.to(param.dtype) if store is None else store.cast(h, local)
         param.grad = local if h.spec is None else DTensor(local, h.spec, requires_grad=False)
-    else:
-        grad = param.grad
-        # accumulation across micro-batches (add_ casts)
-        (grad._local_tensor if isinstance(grad, DTensor) else grad).add_(local)
+        if offload is not None:
+            offload.received(h, accumulated=False)
     hooks = param._post_accumulate_grad_hooks
     if hooks:
+        if offload is not None:
+            offload.arrive()  # the hooks read the gradient
         for hook in tuple(hooks.values()):
             hook(param)
 
@@ -249,6 +259,8 @@ def finish_grads(state: ZeroState) -> None:
         _flush(state)
     while st.reducing:
         _complete(st.reducing.pop(0))
+    if state.offload is not None:
+        state.offload.backward_over(state.control_group, state.world_size)
     state.step.drop_kept()
     state.backwards += 1
 

@@ -7,8 +7,10 @@ optimizer state live in host memory (pinned beside a GPU), and the optimizer ste
   `state_dict()` or `load_state_dict` (checkpointing/state_dict.py) or when one of the master's
   version counters moved (`ParamHandle.versions()`: a write through the DTensor parameter
   moves only its own).
-- Reduced gradients come to the host as they are accumulated (`to_host`): `param.grad` is a host
-  tensor, as the optimizer and `clip_grad_norm_` see it.
+- Reduced gradients come to the host as their reduce-scatters finish (`to_host`): beside a GPU
+  each bucket's copy runs on a copy stream of its own, and nothing on the host waits for it
+  until the backward ends (`arrive`), so the GPU's queue never drains for it. `param.grad` is
+  a host tensor, as the optimizer and `clip_grad_norm_` see it.
 - The user's stock optimizer (torch.optim.AdamW, Adam or SGD over `model.parameters()`) keeps
   its `step()`: before it runs, `step` updates every offloaded parameter with a gradient on the
   host (zrs-core, `host_step.py`), writing the compute-dtype copy in the same pass, and hides
@@ -22,14 +24,16 @@ host gradient (a norm for clipping) runs its collective there.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from zrs._core import ZrsError
 from zrs.runtime import host_step
 from zrs.runtime.handles import ParamHandle
 from zrs.runtime.host_optim import HostOptimizer
+from zrs.runtime.overlap import Overlap
 
 CHOICES = ("optimizer",)
 
@@ -39,6 +43,16 @@ def host_threads() -> int:
     LOCAL_WORLD_SIZE) split them, so that their host updates do not oversubscribe the host."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, (cores or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+@dataclass(eq=False)
+class Arrival:
+    """A gradient's copy to the host, in flight on the copy stream."""
+
+    done: torch.cuda.Event
+    source: torch.Tensor  # on the device: kept until the copy has read it
+    host: torch.Tensor
+    into: torch.Tensor | None  # a `.grad` it adds to once arrived (accumulation)
 
 
 class Offload:
@@ -52,6 +66,9 @@ class Offload:
         self.hidden: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> grad
         self.staged: dict[int, torch.Tensor] = {}  # ds_id -> pinned compute-dtype copy
         self.copied: torch.cuda.Event | None = None  # the last step's copies to the device
+        self.copy_stream = torch.cuda.Stream(device) if self.pinned else None  # to the host
+        self.arriving: list[Arrival] = []
+        self.overlap: Overlap | None = None  # zrs.OverlappedStep: the updates in the backward
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, pin_memory=self.pinned)
@@ -66,9 +83,22 @@ class Offload:
         h.compute = torch.empty(h.shard_numel, dtype=h.compute_dtype, device=self.device)
         self.refresh([h])
 
-    @staticmethod
-    def refresh(hs: Iterable[ParamHandle]) -> None:
-        """Copy each master whose version moved since its device copy was made."""
+    def overlap_with(
+        self, optimizer: torch.optim.Optimizer, max_norm: float | None, timeout: float
+    ) -> Overlap:
+        """Run `optimizer`'s updates during the backward from now on (zrs.OverlappedStep)."""
+        if self.overlap is not None:
+            if self.overlap.stepped_by(optimizer) and self.overlap.max_norm == max_norm:
+                return self.overlap
+            self.overlap.close()
+        self.overlap = Overlap(self.host, optimizer, max_norm, timeout, self)
+        return self.overlap
+
+    def refresh(self, hs: list[ParamHandle]) -> None:
+        """Before a gather reads the device copies of `hs`: wait for their updates running in
+        the backward, then copy each master whose version moved since its copy was made."""
+        if self.overlap is not None:
+            self.overlap.settle(hs)
         for h in hs:
             version = h.versions()
             if h.compute is not None and h.compute_version != version:
@@ -76,26 +106,73 @@ class Offload:
                     h.compute.copy_(h.shard, non_blocking=True)
                 h.compute_version = version
 
-    def to_host(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """A reduced gradient shard (on the device) as a host tensor of `dtype`."""
-        if grad.device.type == "cpu" and grad.dtype == dtype:
-            return grad
-        host = torch.empty(grad.shape, dtype=dtype, pin_memory=self.pinned)
-        host.copy_(grad)  # from a GPU: synchronous, so the host update can read it
-        return host
+    def to_host(
+        self, grad: torch.Tensor, dtype: torch.dtype, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """A reduced gradient shard as a host tensor of `dtype`, or added to `into` (a host
+        gradient) if given. From a GPU the copy is in flight until `arrive()`."""
+        if grad.device.type == "cpu":
+            host = grad.to(dtype)
+            return host if into is None else into.add_(host)
+        assert self.copy_stream is not None
+        host = torch.empty(grad.shape, dtype=dtype, pin_memory=True)
+        self.copy_stream.wait_stream(torch.cuda.current_stream(grad.device))
+        with torch.cuda.stream(self.copy_stream):
+            host.copy_(grad, non_blocking=True)
+        done = self.copy_stream.record_event()
+        # Keep each source until its copy has read it; let go of those that are done.
+        self.arriving = [a for a in self.arriving if a.into is not None or not a.done.query()]
+        self.arriving.append(Arrival(done, grad, host, into))
+        return host if into is None else into
+
+    def received(self, h: ParamHandle, accumulated: bool) -> None:
+        """`h`'s gradient for this backward is set (or, `accumulated`, added to its `.grad`)."""
+        if self.overlap is None:
+            return
+        if accumulated:
+            if self.overlap.groups.get(id(h.param)) is not None:
+                raise ZrsError(
+                    f"zrs.OverlappedStep: `{h.name}` still had a gradient when the backward "
+                    "reached it, and its update runs during the backward: set the gradients to "
+                    "None before each backward (optimizer.zero_grad(), set_to_none=True by "
+                    "default); to accumulate micro-batches, step without OverlappedStep"
+                )
+            return
+        self.overlap.received(h, self.arriving[-1].done if self.arriving else None)
+
+    def backward_over(self, group: dist.ProcessGroup | None, world_size: int) -> None:
+        """The backward is over: every gradient has reached the host."""
+        self.arrive()
+        if self.overlap is not None:
+            self.overlap.backward_over(group, world_size)
+
+    def arrive(self) -> None:
+        """Wait for the gradients' copies to the host (the backward is over, or a hook reads
+        them) and add the accumulated ones."""
+        for a in self.arriving:
+            a.done.synchronize()
+            if a.into is not None:
+                a.into.add_(a.host)
+        self.arriving.clear()
 
     def step(self, optimizer: torch.optim.Optimizer, handles: list[ParamHandle]) -> None:
         """Update on the host every parameter of `handles` that `optimizer` steps and that has
         a gradient, then hide those gradients from torch's own update."""
+        stepped: set[int] = set()
+        if self.overlap is not None and self.overlap.stepped_by(optimizer):
+            stepped = self.overlap.finish()  # updated during the backward
         by_param = {id(h.param): h for h in handles if h.compute is not None}
-        mine = [
-            (group, p)
-            for group in optimizer.param_groups
-            for p in group["params"]
-            if id(p) in by_param and p.grad is not None
-        ]
+        mine = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) in stepped:
+                    self.hidden[id(p)] = (p, p.grad)
+                    p.grad = None
+                elif id(p) in by_param and p.grad is not None:
+                    mine.append((group, p))
         if not mine:
             return
+        self.arrive()
         host_step.check_supported(optimizer)
         if (
             getattr(optimizer, "found_inf", None) is not None
@@ -109,21 +186,16 @@ class Offload:
             )
         if self.copied is not None:
             self.copied.synchronize()  # the staging buffers' last copies have left
-        updated = []
         for group, p in mine:
             h = by_param[id(p)]
-            copy = self._copy_target(h)
+            copy = self.copy_target(h)
             host_step.update(self.host, optimizer, group, p, copy=copy)
-            updated.append((h, copy))
             self.hidden[id(p)] = (p, p.grad)
             p.grad = None
-        with torch.no_grad():
-            for h, copy in updated:
-                if copy is None:  # compute in fp32: the master itself is the copy
-                    h.compute.copy_(h.shard, non_blocking=True)
-                elif copy.device != h.compute.device:  # staged beside a GPU
-                    h.compute.narrow(0, 0, h.local_numel).copy_(copy, non_blocking=True)
-                h.compute_version = h.versions()
+            # Sent now: the copy engine moves it while the host updates the next parameter.
+            with torch.no_grad():
+                self.send(h, copy)
+            h.compute_version = h.versions()
         if self.pinned:
             self.copied = torch.cuda.Event()
             self.copied.record()
@@ -134,7 +206,17 @@ class Offload:
             p.grad = grad
         self.hidden.clear()
 
-    def _copy_target(self, h: ParamHandle) -> torch.Tensor | None:
+    @staticmethod
+    def send(h: ParamHandle, copy: torch.Tensor | None) -> None:
+        """Copy `h`'s updated master to its device copy: `copy` (the compute-dtype rows the
+        update wrote), or the master itself when the compute dtype is fp32."""
+        assert h.compute is not None
+        if copy is None:
+            h.compute.copy_(h.shard, non_blocking=True)
+        elif copy.device != h.compute.device:  # staged beside a GPU
+            h.compute.narrow(0, 0, h.local_numel).copy_(copy, non_blocking=True)
+
+    def copy_target(self, h: ParamHandle) -> torch.Tensor | None:
         """Where the host update writes the compute-dtype copy: the device copy itself on the
         host, a pinned staging buffer beside a GPU, nothing when the compute dtype is fp32."""
         assert h.compute is not None

@@ -1,0 +1,69 @@
+"""`zrs.OverlappedStep`: offload's host update run during the backward (runtime/overlap.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from zrs._core import ZrsError
+from zrs.runtime import host_step
+from zrs.runtime.handles import LIVE
+from zrs.runtime.overlap import Overlap
+
+
+class OverlappedStep:
+    """The optimizer step of a model sharded with `zrs.shard(model, offload="optimizer")`, run
+    on the host during the backward: each parameter's update starts as soon as its reduced
+    gradient has reached the host, and its compute-dtype copy goes back to the GPU while the
+    backward goes on. Call it where you would call `optimizer.step()`::
+
+        step = zrs.OverlappedStep(optimizer, max_norm=1.0)
+        for batch in data:
+            loss = model(batch)
+            loss.backward()  # the host updates run here
+            step()  # waits for the last of them
+            optimizer.zero_grad()
+
+    With `max_norm` the updates wait for the end of the backward, which clips the gradients to
+    it by their global norm (as `torch.nn.utils.clip_grad_norm_` does) or skips the step when
+    the norm is inf or NaN (`skipped_steps`); the call returns the norm.
+
+    The updates run before the step is called, so the step must follow each backward with the
+    gradients as it left them. A ZrsError on the step names what broke that: a gradient that
+    changed after its update read it (`clip_grad_norm_`: pass `max_norm` instead), a
+    hyperparameter changed between the backward and the step (a scheduler stepped first), and
+    a second backward before the step (gradient accumulation: use `optimizer.step()`).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, max_norm: float | None = None) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ZrsError(f"OverlappedStep takes a torch.optim.Optimizer, not {optimizer!r}")
+        if max_norm is not None and not max_norm > 0:
+            raise ZrsError(f"max_norm must be a positive number or None, not {max_norm!r}")
+        host_step.check_supported(optimizer)
+        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        self.optimizer = optimizer
+        self.overlaps: list[Overlap] = []
+        for state in LIVE.models():
+            if not any(id(h.param) in ids for h in state.handles):
+                continue
+            if state.offload is None:
+                raise ZrsError(
+                    "OverlappedStep runs the optimizer's host update during the backward, but "
+                    "this optimizer steps a model sharded without offload. Shard it with "
+                    'zrs.shard(model, offload="optimizer"), or call optimizer.step()'
+                )
+            timeout = state.timeout.total_seconds()
+            self.overlaps.append(state.offload.overlap_with(optimizer, max_norm, timeout))
+        if not self.overlaps:
+            raise ZrsError("OverlappedStep: the optimizer steps no parameter of a zrs model")
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite gradient norm (with `max_norm`)."""
+        return max(o.skipped for o in self.overlaps)
+
+    def __call__(self) -> float | None:
+        """The optimizer's step; with `max_norm`, returns the gradients' global norm."""
+        self.optimizer.step()
+        norms = [o.norm for o in self.overlaps if o.norm is not None]
+        return norms[0] if norms else None

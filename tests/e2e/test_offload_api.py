@@ -110,12 +110,18 @@ def test_the_ranks_of_a_host_split_its_cores(monkeypatch):
     from zrs.runtime import offload
 
     monkeypatch.setattr(offload.os, "sched_getaffinity", lambda _: set(range(32)), raising=False)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert offload.host_threads() == 16
+    assert offload.host_threads(cpu) == 12  # three quarters of 16
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")
-    assert offload.host_threads() == 1
+    assert offload.host_threads(cpu) == 1
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert offload.host_threads() == 32
+    assert offload.host_threads(cpu) == 24
+    # without torchrun's count, one rank a GPU beside a GPU
+    monkeypatch.setattr(offload.torch.cuda, "device_count", lambda: 4)
+    assert offload.host_threads(gpu) == 6
+    monkeypatch.setenv("ZRS_OFFLOAD_THREADS", "5")
+    assert offload.host_threads(cpu) == 5
 
 
 # DCP warns that it assumes one process: that is this test's intent.

@@ -171,6 +171,9 @@ def run_group(
 ) -> dict[str, dict]:
     """Worker entry point: `cases` (zoo.run_cases), the checkpoint saved under `root`, then the
     graphed steps; `{key: zoo.run_isolated's result}`."""
+    # The offloaded cases' host updates are tiny; the suite's other groups compile beside them
+    # on the same cores (a captured group's rank stalled past its 240 s meeting once).
+    os.environ.setdefault("ZRS_OFFLOAD_THREADS", "2")
     if device == "cuda":
         # fp32 means fp32 (the references run on the CPU); and the graphed runs' bit for bit
         # needs deterministic cuBLAS, set before its first use.

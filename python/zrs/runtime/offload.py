@@ -38,11 +38,23 @@ from zrs.runtime.overlap import Overlap
 CHOICES = ("optimizer",)
 
 
-def host_threads() -> int:
-    """This rank's share of the cores it may run on: the ranks of one host (torchrun's
-    LOCAL_WORLD_SIZE) split them, so that their host updates do not oversubscribe the host."""
+THREADS_ENV = "ZRS_OFFLOAD_THREADS"
+
+
+def host_threads(device: torch.device) -> int:
+    """Three quarters of this rank's share of the cores it may run on: the ranks of one host
+    (torchrun's LOCAL_WORLD_SIZE; without it, one a GPU beside a GPU) split them, and each
+    leaves a quarter of its share to the
+    threads that keep its GPU fed (its own, CUDA's and NCCL's, which poll). With all of the
+    share, the 1b step at 2 ranks on 32 cores took 383 ms; with 12 threads a rank, 305 ms
+    (BENCHMARKS.md, session 36). ZRS_OFFLOAD_THREADS sets it."""
+    if os.environ.get(THREADS_ENV):
+        return max(1, int(os.environ[THREADS_ENV]))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    ranks = int(local) if local else torch.cuda.device_count() if device.type == "cuda" else 1
+    share = (cores or 1) // max(1, ranks)
+    return max(1, share * 3 // 4)
 
 
 @dataclass(eq=False)
@@ -62,7 +74,7 @@ class Offload:
     def __init__(self, device: torch.device, threads: int | None = None) -> None:
         self.device = device
         self.pinned = device.type == "cuda"
-        self.host = HostOptimizer.start(host_threads() if threads is None else threads)
+        self.host = HostOptimizer.start(host_threads(device) if threads is None else threads)
         self.hidden: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> grad
         self.staged: dict[int, torch.Tensor] = {}  # ds_id -> pinned compute-dtype copy
         self.copied: torch.cuda.Event | None = None  # the last step's copies to the device

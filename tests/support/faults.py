@@ -152,11 +152,14 @@ def on(device: str) -> torch.device:
 def build(
     timeout: float | None, backend: str = "eager", device: str = "cpu", **kwargs: Any
 ) -> tuple[Net, torch.optim.Optimizer]:
-    """Net on `device` under zrs.compile with `backend`, or under zrs.shard (`backend="shard"`)."""
+    """Net on `device` under zrs.compile with `backend`, or under zrs.shard (`backend="shard"`;
+    "shard-offload": with offload="optimizer")."""
     torch.manual_seed(0)
     net = Net().to(on(device))
     if backend == "shard":
         model = zrs.shard(net, timeout=timeout, **kwargs)
+    elif backend == "shard-offload":
+        model = zrs.shard(net, timeout=timeout, offload="optimizer", **kwargs)
     else:
         model = zrs.compile(net, backend=backend, timeout=timeout, **kwargs)
     return model, torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)

@@ -24,6 +24,7 @@ host gradient (a norm for clipping) runs its collective there.
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,10 @@ class Offload:
         self.copy_stream = torch.cuda.Stream(device) if self.pinned else None  # to the host
         self.arriving: list[Arrival] = []
         self.overlap: Overlap | None = None  # zrs.OverlappedStep: the updates in the backward
+        # optimizer -> the pre-hook of its own that runs `step` (`step_after_its_hooks`)
+        self.hooks: weakref.WeakKeyDictionary[torch.optim.Optimizer, object] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, pin_memory=self.pinned)
@@ -166,6 +171,22 @@ class Offload:
             if a.into is not None:
                 a.into.add_(a.host)
         self.arriving.clear()
+
+    def step_after_its_hooks(
+        self, optimizer: torch.optim.Optimizer, handles: list[ParamHandle]
+    ) -> None:
+        """Have `step` run after `optimizer`'s own pre-hooks. torch runs the global pre-hooks
+        (zrs's, which calls this) before an optimizer's own, so zrs keeps a hook of its own on
+        the optimizer, moved behind the others each step: a user's pre-hook that raises leaves
+        the masters as it leaves torch's parameters, untouched."""
+        hooks = optimizer._optimizer_step_pre_hooks
+        handle = self.hooks.get(optimizer)
+        if handle is None or handle.id not in hooks:
+            self.hooks[optimizer] = optimizer.register_step_pre_hook(
+                lambda opt, *_: self.step(opt, handles)
+            )
+        else:
+            hooks.move_to_end(handle.id)
 
     def step(self, optimizer: torch.optim.Optimizer, handles: list[ParamHandle]) -> None:
         """Update on the host every parameter of `handles` that `optimizer` steps and that has

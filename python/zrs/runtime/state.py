@@ -311,7 +311,7 @@ class ZeroState:
         if self.fetcher is not None:
             self.fetcher.reset()
         if self.offload is not None:
-            self.offload.step(optimizer, self.handles)
+            self.offload.step_after_its_hooks(optimizer, self.handles)
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """A torch.optim step that stepped this model's parameters is over."""

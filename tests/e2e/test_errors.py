@@ -258,3 +258,28 @@ def test_model_compile_is_refused_and_keeps_zrs_forward():
             model.compile()
         assert model._compiled_call_impl is forward
         assert model(torch.ones(2, 3)).shape == (2, 4)
+
+
+def test_a_forward_that_registers_a_module_compiles_model_after_model():
+    """A module registered inside the forward runs zrs's registration hook; traced by dynamo it
+    failed to compile (it guarded on the live models' weak sets by position: transformers'
+    Mistral after Llama and Qwen2 in one process). The hook runs eagerly."""
+    import gc
+
+    class Registers(nn.Module):
+        def __init__(self, depth: int) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(depth))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.last = nn.Identity()
+            for layer in self.layers:
+                x = layer(x)
+            return self.last(x)
+
+    for depth in (3, 2, 1):
+        model = zrs.compile(Registers(depth), backend="eager")
+        for _ in range(2):
+            model(torch.randn(2, 4)).sum().backward()
+        del model
+        gc.collect()

@@ -149,6 +149,10 @@ class Live:
         for state in self.models():
             state.before_optimizer_step(optimizer)
 
+    # Run eagerly under dynamo: traced (a forward that registers a module), dynamo guarded on
+    # the live models' weak sets by position and failed to compile once the set changed
+    # (transformers' Mistral after Llama and Qwen2 in one process: "list index out of range").
+    @torch.compiler.disable
     def _registered(self, module: nn.Module, _name: str, value: object) -> None:
         if isinstance(value, (nn.Module, torch.Tensor)):
             for state in self.models():

@@ -274,3 +274,30 @@ def test_what_the_overlapped_step_refuses():
 
     with pytest.raises(zrs.ZrsError, match=r'offload="optimizer"'):
         zrs.OverlappedStep(torch.optim.AdamW(zrs.shard(_model()).parameters()))
+
+
+def test_a_dropped_model_and_its_overlapped_step_are_freed():
+    """The worker thread holds its updates weakly: dropping the model, the optimizer and the
+    step frees the model's state (the host masters) and ends the worker."""
+    import gc
+    import threading
+    import time
+    import weakref
+
+    def train() -> tuple[weakref.ref, weakref.ref]:
+        model, opt, step = _overlapped()
+        for n in range(2):
+            model(_batch(n)).square().mean().backward()
+            step()
+            opt.zero_grad()
+        return weakref.ref(model._zrs_state), weakref.ref(opt)
+
+    before = set(threading.enumerate())
+    state, opt = train()
+    (worker,) = (t for t in threading.enumerate() if t not in before)
+    gc.collect()
+    assert state() is None and opt() is None
+    deadline = time.monotonic() + 5
+    while worker.is_alive():
+        assert time.monotonic() < deadline, "the worker outlived its model"
+        time.sleep(0.01)

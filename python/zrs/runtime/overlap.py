@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -82,8 +83,13 @@ class Overlap:
         self.norm: float | None = None
         self.error: BaseException | None = None
         self.stream: torch.cuda.Stream | None = None
-        self.worker = threading.Thread(target=self._work, name="zrs-host-step", daemon=True)
-        self.worker.start()
+        # The worker holds this object weakly: a dropped model and optimizer are freed, and
+        # their finalizer ends the worker.
+        worker = threading.Thread(
+            target=_work, args=(weakref.ref(self), self.queue), name="zrs-host-step", daemon=True
+        )
+        worker.start()
+        weakref.finalize(self, self.queue.put, None)
 
     def stepped_by(self, optimizer: torch.optim.Optimizer) -> bool:
         return optimizer is self.optimizer
@@ -198,15 +204,14 @@ class Overlap:
 
     # --- the worker ---------------------------------------------------------------------------
 
-    def _work(self) -> None:
-        while (job := self.queue.get()) is not None:
-            try:
-                if self.error is None:
-                    self._update(job)
-            except BaseException as e:  # raised to the user by the step
-                self.error = e
-            finally:
-                job.ready.set()
+    def run(self, job: Job) -> None:
+        try:
+            if self.error is None:
+                self._update(job)
+        except BaseException as e:  # raised to the user by the step
+            self.error = e
+        finally:
+            job.ready.set()
 
     def _update(self, job: Job) -> None:
         if job.arrived is not None:
@@ -241,6 +246,17 @@ class Overlap:
 
     def _fail(self, why: str) -> None:
         raise ZrsError(f"zrs.OverlappedStep: {why}")
+
+
+def _work(overlap: weakref.ref[Overlap], jobs: queue.SimpleQueue[Job | None]) -> None:
+    """The worker thread: each queued update in turn, until the queue's end (None)."""
+    while True:
+        job = jobs.get()
+        alive = overlap()
+        if job is None or alive is None:
+            return
+        alive.run(job)
+        del alive, job  # nothing of the model held while waiting
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -45,10 +46,9 @@ THREADS_ENV = "ZRS_OFFLOAD_THREADS"
 def host_threads(device: torch.device) -> int:
     """Three quarters of this rank's share of the cores it may run on: the ranks of one host
     (torchrun's LOCAL_WORLD_SIZE; without it, one a GPU beside a GPU) split them, and each
-    leaves a quarter of its share to the
-    threads that keep its GPU fed (its own, CUDA's and NCCL's, which poll). With all of the
-    share, the 1b step at 2 ranks on 32 cores took 383 ms; with 12 threads a rank, 305 ms
-    (BENCHMARKS.md, session 36). ZRS_OFFLOAD_THREADS sets it."""
+    leaves a quarter of its share to the threads that keep its GPU fed (its own, CUDA's and
+    NCCL's, which poll). With all of the share, the 1b step at 2 ranks on 32 cores took 383 ms;
+    with 12 threads a rank, 305 ms (BENCHMARKS.md, session 36). ZRS_OFFLOAD_THREADS sets it."""
     if os.environ.get(THREADS_ENV):
         return max(1, int(os.environ[THREADS_ENV]))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -64,8 +64,6 @@ class Arrival:
 
     done: torch.cuda.Event
     source: torch.Tensor  # on the device: kept until the copy has read it
-    host: torch.Tensor
-    into: torch.Tensor | None  # a `.grad` it adds to once arrived (accumulation)
 
 
 class Offload:
@@ -80,7 +78,10 @@ class Offload:
         self.staged: dict[int, torch.Tensor] = {}  # ds_id -> pinned compute-dtype copy
         self.copied: torch.cuda.Event | None = None  # the last step's copies to the device
         self.copy_stream = torch.cuda.Stream(device) if self.pinned else None  # to the host
-        self.arriving: list[Arrival] = []
+        # The copies in flight, in the order the one copy stream runs them, and the accumulated
+        # gradients to add once they have arrived (host copy, the `.grad` it adds to).
+        self.arriving: deque[Arrival] = deque()
+        self.adds: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.overlap: Overlap | None = None  # zrs.OverlappedStep: the updates in the backward
         # optimizer -> the pre-hook of its own that runs `step` (`step_after_its_hooks`)
         self.hooks: weakref.WeakKeyDictionary[torch.optim.Optimizer, object] = (
@@ -136,26 +137,20 @@ class Offload:
         self.copy_stream.wait_stream(torch.cuda.current_stream(grad.device))
         with torch.cuda.stream(self.copy_stream):
             host.copy_(grad, non_blocking=True)
-        done = self.copy_stream.record_event()
-        # Keep each source until its copy has read it; let go of those that are done.
-        self.arriving = [a for a in self.arriving if a.into is not None or not a.done.query()]
-        self.arriving.append(Arrival(done, grad, host, into))
-        return host if into is None else into
+        # Keep each source until its copy has read it; let go of the oldest ones that have.
+        while self.arriving and self.arriving[0].done.query():
+            self.arriving.popleft()
+        self.arriving.append(Arrival(self.copy_stream.record_event(), grad))
+        if into is None:
+            return host
+        self.adds.append((host, into))
+        return into
 
     def received(self, h: ParamHandle, accumulated: bool) -> None:
         """`h`'s gradient for this backward is set (or, `accumulated`, added to its `.grad`)."""
-        if self.overlap is None:
-            return
-        if accumulated:
-            if self.overlap.groups.get(id(h.param)) is not None:
-                raise ZrsError(
-                    f"zrs.OverlappedStep: `{h.name}` still had a gradient when the backward "
-                    "reached it, and its update runs during the backward: set the gradients to "
-                    "None before each backward (optimizer.zero_grad(), set_to_none=True by "
-                    "default); to accumulate micro-batches, step without OverlappedStep"
-                )
-            return
-        self.overlap.received(h, self.arriving[-1].done if self.arriving else None)
+        if self.overlap is not None:
+            arrived = self.arriving[-1].done if self.arriving else None
+            self.overlap.received(h, arrived, accumulated)
 
     def backward_over(self, group: dist.ProcessGroup | None, world_size: int) -> None:
         """The backward is over: every gradient has reached the host."""
@@ -166,11 +161,12 @@ class Offload:
     def arrive(self) -> None:
         """Wait for the gradients' copies to the host (the backward is over, or a hook reads
         them) and add the accumulated ones."""
-        for a in self.arriving:
-            a.done.synchronize()
-            if a.into is not None:
-                a.into.add_(a.host)
-        self.arriving.clear()
+        if self.arriving:
+            self.arriving[-1].done.synchronize()  # one stream: the last is done after the rest
+            self.arriving.clear()
+        for host, into in self.adds:
+            into.add_(host)
+        self.adds.clear()
 
     def step_after_its_hooks(
         self, optimizer: torch.optim.Optimizer, handles: list[ParamHandle]
@@ -182,6 +178,9 @@ class Offload:
         hooks = optimizer._optimizer_step_pre_hooks
         handle = self.hooks.get(optimizer)
         if handle is None or handle.id not in hooks:
+            mine = {id(h.param) for h in handles}
+            if not any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
+                return  # another model's optimizer: no hook that would hold this one
             self.hooks[optimizer] = optimizer.register_step_pre_hook(
                 lambda opt, *_: self.step(opt, handles)
             )

@@ -94,11 +94,19 @@ class Overlap:
     def stepped_by(self, optimizer: torch.optim.Optimizer) -> bool:
         return optimizer is self.optimizer
 
-    def received(self, h: ParamHandle, arrived: torch.cuda.Event | None) -> None:
-        """`h`'s gradient for this backward is on its way to the host: queue its update."""
+    def received(self, h: ParamHandle, arrived: torch.cuda.Event | None, accumulated: bool) -> None:
+        """`h`'s gradient for this backward is on its way to the host (`accumulated`: added to
+        a `.grad` it already had): queue its update."""
         group = self.groups.get(id(h.param))
         if group is None:
             return  # not this optimizer's: its own step() updates it
+        if accumulated:
+            raise ZrsError(
+                f"zrs.OverlappedStep: `{h.name}` still had a gradient when the backward reached "
+                "it, and its update runs during the backward: set the gradients to None before "
+                "each backward (optimizer.zero_grad(), set_to_none=True by default); to "
+                "accumulate micro-batches, step without OverlappedStep"
+            )
         if h.ds_id in self.jobs:
             raise ZrsError(
                 f"zrs.OverlappedStep: a second backward reached `{h.name}` before the "

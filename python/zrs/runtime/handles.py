@@ -52,7 +52,7 @@ class Model(Protocol):
     registry: Registry
     param_dtype: torch.dtype | None
     handles: list[ParamHandle]
-    ds_ids: dict[int, int]  # id(shard) -> ds_id
+    ds_ids: dict[int, int]  # id(what its gathers read: the shard, or its device copy) -> ds_id
     optimizer_steps: int
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None: ...
@@ -149,11 +149,14 @@ class Live:
         for state in self.models():
             state.before_optimizer_step(optimizer)
 
-    # Run eagerly under dynamo: traced (a forward that registers a module), dynamo guarded on
-    # the live models' weak sets by position and failed to compile once the set changed
-    # (transformers' Mistral after Llama and Qwen2 in one process: "list index out of range").
-    @torch.compiler.disable
     def _registered(self, module: nn.Module, _name: str, value: object) -> None:
+        # A compiled forward registers modules it builds from the model's own (transformers'
+        # `self.layers[:n]` slices a ModuleList): traced, the check guarded on the live models'
+        # weak sets by position and failed once they changed (Mistral after Llama and Qwen2 in
+        # one process: "list index out of range"); kept from dynamo, it broke the graph at each
+        # slice. Parameters come from __init__ or a later call such as PEFT's, which run eagerly.
+        if torch.compiler.is_compiling():
+            return
         if isinstance(value, (nn.Module, torch.Tensor)):
             for state in self.models():
                 state.registered(module, value)

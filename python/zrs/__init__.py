@@ -128,8 +128,10 @@ def compile(
             step's compile then grows with the distinct blocks, not the layers. A model whose
             blocks dynamo cannot capture as regions falls back to per-layer compilation (with a
             warning on the "zrs" logger). False: trace every layer on its own.
-        offload: not available on the compiled whole-model graph yet (a ZrsError names
-            `zrs.shard(model, offload="optimizer", compile=True)`).
+        offload: "optimizer": the fp32 master shards and the optimizer state live in host
+            memory (pinned beside a GPU) and the optimizer steps there, as with `zrs.shard`;
+            the compiled graphs gather from each shard's device copy in the compute dtype
+            (docs/offload.md). Default: None (all on the device).
 
     Returns the same model object, sharded and compiled in place.
     """
@@ -144,12 +146,7 @@ def compile(
     prepare.check_choice("scheduler", scheduler, SCHEDULERS)
     precision = prepare.check_common(model, timeout, param_dtype, reduce_dtype, master_dtype)
     prepare.check_memory_budget(memory_budget)
-    if prepare.check_offload(offload) is not None:
-        raise ZrsError(
-            "zrs.compile(offload=...) is not available yet: its whole-model graph reads the "
-            f"shards on the device. zrs.shard(model, offload={offload!r}, compile=True) keeps "
-            "the masters and the optimizer step on the host and compiles each layer"
-        )
+    offload = prepare.check_offload(offload)
     group = prepare.resolve_group(process_group)
     world = prepare.world_size(group)
     if keep_for_backward is None:
@@ -169,6 +166,7 @@ def compile(
         "dynamic": dynamic,
         "timeout": timeout,
         "regions": regions,
+        "offload": offload,
     }
     compiler_options = {
         "free_on_release": backend == "eager",
@@ -181,7 +179,7 @@ def compile(
 
     # The recipe, each step one call into the layer that owns it (docs/architecture.md).
     links = prepare.agree_and_connect(model, group, "zrs.compile", settings)
-    state = prepare.make_state(links, precision, **compiler_options)
+    state = prepare.make_state(links, precision, offload=offload, **compiler_options)
     prepare.shard_parameters(model, state, init_fn, regions)
     checkpointing.install_hooks(model)
     integrations.adopt_conventions(model, functools.partial(full_state_dict, model), state.rank)

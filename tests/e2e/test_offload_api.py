@@ -1,6 +1,7 @@
-"""zrs.shard(offload="optimizer") in one process: the device copy follows every change of the
-host master (a step, a load), gradients come back after the step, a resume from the optimizer's
-state dict continues as if uninterrupted, and what offload cannot do raises a ZrsError."""
+"""offload="optimizer" in one process, on zrs.shard and on zrs.compile (its eager backend): the
+device copy follows every change of the host master (a step, a load, an in-place write),
+gradients come back after the step, a resume continues as if uninterrupted, and what offload
+cannot do raises a ZrsError."""
 
 from __future__ import annotations
 
@@ -19,6 +20,16 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
 
 
+# zrs.compile's graphs gather from the device copy as the eager path does (runtime/gather.py)
+APIS = ("shard", "compile")
+
+
+def _offloaded(model: nn.Module, api: str, **kw: object) -> nn.Module:
+    if api == "compile":
+        return zrs.compile(model, offload="optimizer", backend="eager", **kw)
+    return zrs.shard(model, offload="optimizer", **kw)
+
+
 def _batch(step: int) -> torch.Tensor:
     return torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
 
@@ -34,9 +45,10 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[f
     return losses
 
 
-def test_adamw_on_the_host_trains_as_torch_does_and_keeps_its_gradients():
+@pytest.mark.parametrize("api", APIS)
+def test_adamw_on_the_host_trains_as_torch_does_and_keeps_its_gradients(api):
     plain = _model()
-    model = zrs.shard(copy.deepcopy(plain), offload="optimizer")
+    model = _offloaded(copy.deepcopy(plain), api)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (plain, model)]
     for step in range(4):
         losses = []
@@ -55,12 +67,13 @@ def test_adamw_on_the_host_trains_as_torch_does_and_keeps_its_gradients():
     assert {v.device.type for s in opts[1].state.values() for v in s.values()} == {"cpu"}
 
 
-def test_a_loaded_state_reaches_the_device_copy():
+@pytest.mark.parametrize("api", APIS)
+def test_a_loaded_state_reaches_the_device_copy(api):
     plain, other = _model(), _model()
     with torch.no_grad():
         for p in other.parameters():
             p.add_(1.0)
-    model = zrs.shard(copy.deepcopy(plain), offload="optimizer", param_dtype=torch.bfloat16)
+    model = _offloaded(copy.deepcopy(plain), api, param_dtype=torch.bfloat16)
     x = _batch(0)
     model(x)  # gathered once from the first copy
     model.load_state_dict(zrs.full_state_dict(zrs.shard(copy.deepcopy(other))))
@@ -88,8 +101,6 @@ def test_a_resume_from_the_optimizer_state_continues_exactly():
 
 
 def test_what_offload_refuses():
-    with pytest.raises(zrs.ZrsError, match=r"zrs\.shard\(model, offload='optimizer'"):
-        zrs.compile(_model(), offload="optimizer")
     with pytest.raises(zrs.ZrsError, match="not available yet"):
         zrs.shard(_model(), offload="params")
     with pytest.raises(zrs.ZrsError, match="pass None or"):
@@ -126,7 +137,8 @@ def test_the_ranks_of_a_host_split_its_cores(monkeypatch):
 
 # DCP warns that it assumes one process: that is this test's intent.
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-def test_a_dcp_resume_in_one_process_continues_exactly(tmp_path):
+@pytest.mark.parametrize("api", APIS)
+def test_a_dcp_resume_in_one_process_continues_exactly(tmp_path, api):
     """PyTorch's DCP recipe without torch.distributed (plain tensors); with DTensors on several
     ranks, DCP's load bumps no version counter of the masters it writes: tests/e2e/
     test_checkpoint.py resumes an offloaded run at world 2, and loads it at 1 and 3."""
@@ -138,13 +150,13 @@ def test_a_dcp_resume_in_one_process_continues_exactly(tmp_path):
         return {"model": model_sd, "optim": optim_sd}
 
     base = _model()
-    first = zrs.shard(copy.deepcopy(base), offload="optimizer")
+    first = _offloaded(copy.deepcopy(base), api)
     opt = torch.optim.AdamW(first.parameters(), lr=1e-2)
     _train(first, opt, range(2))
     dcp.save(state(first, opt), checkpoint_id=str(tmp_path))
     want = _train(first, opt, range(2, 4))
 
-    resumed = zrs.shard(copy.deepcopy(base), offload="optimizer")
+    resumed = _offloaded(copy.deepcopy(base), api)
     opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
     content = state(resumed, opt)
     dcp.load(content, checkpoint_id=str(tmp_path))
@@ -154,10 +166,11 @@ def test_a_dcp_resume_in_one_process_continues_exactly(tmp_path):
     assert _train(resumed, opt, range(2, 4)) == want
 
 
-def test_gradient_accumulation_adds_on_the_host():
+@pytest.mark.parametrize("api", APIS)
+def test_gradient_accumulation_adds_on_the_host(api):
     """Two micro-batches a step: the second backward adds into the host gradients."""
     plain = _model()
-    model = zrs.shard(copy.deepcopy(plain), offload="optimizer")
+    model = _offloaded(copy.deepcopy(plain), api)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (plain, model)]
     for step in range(3):
         for m, opt in zip((plain, model), opts, strict=True):
@@ -170,7 +183,26 @@ def test_gradient_accumulation_adds_on_the_host():
         torch.testing.assert_close(full[name], p.detach(), rtol=1e-6, atol=1e-7)
 
 
-def test_in_place_writes_to_the_dtensor_parameters_reach_the_device_copy(tmp_path):
+@pytest.mark.parametrize("api", APIS)
+def test_a_parameter_read_outside_the_forward_gets_its_gradient_on_the_host(api):
+    """Read outside the forward, a parameter is gathered eagerly from its device copy; the
+    gradient through it joins the forward's on the host."""
+    plain = _model()
+    model = _offloaded(copy.deepcopy(plain), api)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (plain, model)]
+    for step in range(3):
+        for m, opt in zip((plain, model), opts, strict=True):
+            opt.zero_grad()
+            (m(_batch(step)).square().mean() + m[0].weight.square().sum()).backward()
+            assert {p.grad.device.type for p in m.parameters()} == {"cpu"}
+            opt.step()
+    full = zrs.full_state_dict(model)
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(full[name], p.detach(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_in_place_writes_to_the_dtensor_parameters_reach_the_device_copy(tmp_path, api):
     """With a process group the parameters are DTensors, and an in-place op on one runs below
     autograd on its local tensor: neither the master's version nor the local's moves, only the
     DTensor's own. The next forward must still read the written values."""
@@ -182,7 +214,7 @@ def test_in_place_writes_to_the_dtensor_parameters_reach_the_device_copy(tmp_pat
     )
     try:
         plain = _model()
-        model = zrs.shard(copy.deepcopy(plain), offload="optimizer", param_dtype=torch.bfloat16)
+        model = _offloaded(copy.deepcopy(plain), api, param_dtype=torch.bfloat16)
         assert all(isinstance(p, DTensor) for p in model.parameters())
         x = _batch(0)
         model(x)  # gathered once from the first copy
@@ -202,19 +234,20 @@ def test_in_place_writes_to_the_dtensor_parameters_reach_the_device_copy(tmp_pat
         dist.destroy_process_group()
 
 
-def _overlapped(max_norm: float | None = None, **kw):
-    model = zrs.shard(_model(), offload="optimizer", **kw)
+def _overlapped(max_norm: float | None = None, api: str = "shard", **kw):
+    model = _offloaded(_model(), api, **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     return model, opt, zrs.OverlappedStep(opt, max_norm=max_norm)
 
 
+@pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("max_norm", [None, 0.05])
-def test_updates_during_the_backward_match_torch(max_norm):
+def test_updates_during_the_backward_match_torch(max_norm, api):
     """zrs.OverlappedStep: the updates run as the gradients arrive (with max_norm after the
     backward, clipped as clip_grad_norm_ clips); the step returns the norm."""
     plain = _model()
     ref = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1)
-    model, opt, step = _overlapped(max_norm)
+    model, opt, step = _overlapped(max_norm, api)
     for n in range(4):
         ref.zero_grad()
         plain(_batch(n)).square().mean().backward()

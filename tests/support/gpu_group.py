@@ -12,7 +12,7 @@ each rank its own batches, SGD with momentum), 3 steps, fp32 with TF32 off unles
   variable-length batches) on inductor;
 * bf16 compute over fp32 masters (`BF16_MODELS`) against the bf16-autocast reference, and bf16
   masters (`MASTER_APIS`) against the model trained unsharded in bf16;
-* zrs.shard(offload="optimizer") (`offload_cases`): fp32, clipped, bf16 and compiled layers;
+* offload="optimizer" (`offload_cases`): fp32, clipped, bf16, compiled layers and zrs.compile;
 * a DCP checkpoint (PyTorch's recipe) of GPT-2 after 2 steps, saved by every rank under a
   directory of the parent's; the parent loads it in one process (tests/gpu/test_checkpoint_gpu.py);
 * zrs.GraphedStep (`GRAPHED`) with and without CUDA graphs, 7 steps through a non-finite one,
@@ -81,7 +81,8 @@ BF16_MODELS, BF16_BACKEND = ("mlp",), "inductor"
 MASTER_MODEL, MASTER_APIS = "gpt_tied", ("inductor", "shard")
 # zrs.shard(offload="optimizer"): the masters and the SGD step on the host, fp32 on a tied head,
 # a frozen layer and a stack; clipped (the norm of host gradients, on the gloo mesh); bf16
-# compute (the host update writes the bf16 copy); and with each layer compiled.
+# compute (the host update writes the bf16 copy); with each layer compiled; zrs.compile on
+# inductor (its graphs gather from the device copies) in bf16 and overlapped with a clip.
 OFFLOAD_MODELS, OFFLOAD_CLIP = ("gpt_tied", "frozen", "bias_stack"), ("gpt_tied", 0.05)
 # The checkpoint: (model, zrs backend, optimizer), trained CHECKPOINT_STEPS steps, then saved.
 CHECKPOINT_RUN, CHECKPOINT_STEPS = ("hf_gpt2", "eager", "sgd"), 2
@@ -151,7 +152,11 @@ def offload_cases() -> list[Case]:
         case(OFFLOAD_CLIP[0], "shard", max_norm=OFFLOAD_CLIP[1], overlapped=True, **off),
         case("mlp", COMPILED_UNITS, param_dtype=torch.bfloat16, overlapped=True, **off),
     ]
-    return [*fp32, clipped, bf16, units, accumulated, *overlapped]
+    compiled = [
+        case("gpt_tied", "inductor", param_dtype=torch.bfloat16, **off),
+        case(OFFLOAD_CLIP[0], "inductor", max_norm=OFFLOAD_CLIP[1], overlapped=True, **off),
+    ]
+    return [*fp32, clipped, bf16, units, accumulated, *overlapped, *compiled]
 
 
 def all_cases() -> list[Case]:

@@ -446,7 +446,7 @@ class Case:
     # False: no generate() after training (the model's `generate`, if any, is checked by
     # another case); the result's "generated" is then None.
     generate: bool = True
-    # zrs.shard's offload= (the masters and the optimizer step on the host).
+    # offload= (the masters and the optimizer step on the host).
     offload: str | None = None
     # Backwards a step: each of the same batch with the loss divided by it, so that the summed
     # gradient is the reference's (accumulation across micro-batches).
@@ -529,6 +529,8 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
         kwargs["reduce_dtype"] = case.reduce_dtype
     if case.scheduler is not None:
         kwargs["scheduler"] = case.scheduler
+    if case.offload is not None:
+        kwargs["offload"] = case.offload
     with mock.patch.dict(os.environ, {"ZRS_COMM_STREAMS": "1"} if case.comm_streams else {}):
         api, _, unit_backend = case.backend.partition(":")
         if api in ("shard", "hand", "whole"):  # the eager path: zrs.shard
@@ -540,8 +542,6 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
                 counters.clear()
             if api == "shard" and unit_backend:
                 kwargs["compile"] = unit_backend
-            if case.offload is not None:
-                kwargs["offload"] = case.offload
             compiled = zrs.shard(model, **kwargs)
             if api == "hand":
                 from zrs.prepare.sharding import repeated_blocks

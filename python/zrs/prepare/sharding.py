@@ -288,7 +288,7 @@ def _shard_one(state: ZeroState, param: nn.Parameter, full: torch.Tensor, name: 
     if param.requires_grad:
         # Weakly: a tensor the dynamo cache still holds must not keep a dropped model's state.
         handle = weakref.ref(h)
-        shard.register_post_accumulate_grad_hook(lambda _: grads.move_eager_grad(handle()))
+        h.source.register_post_accumulate_grad_hook(lambda _: grads.move_eager_grad(handle()))
     return h
 
 
@@ -338,8 +338,8 @@ def shard_model(
             module._parameters[name] = h.param
             # gathered in its own dtype (an fp16 layer among fp32 ones stays fp16) or param_dtype
             gathered = h.compute_dtype
-            specs[name] = (h.ds_id, list(h.shape), None if gathered == h.shard.dtype else gathered)
-            shards[name] = h.shard
+            specs[name] = (h.ds_id, list(h.shape), None if gathered == h.source.dtype else gathered)
+            shards[name] = h.source  # what gathers read: with offload, the device copy
         if specs:
             module._zrs_params = specs
             module._zrs_shards = shards

@@ -95,6 +95,8 @@ def issue_gather(
     if len(hs) == 1:
         _issue_one(hs[0], shards[0], dtypes[0])
         return
+    if hs[0].state.offload is not None:
+        hs[0].state.offload.refresh(hs)  # the device copies read below are the masters' latest
     todo = []
     for h, s, dt in zip(hs, shards, dtypes, strict=True):
         if h.state.step.kept and _claim_kept(h, dt):
@@ -145,6 +147,8 @@ def _issue_one(h: ParamHandle, shard: torch.Tensor, dtype: torch.dtype) -> None:
     which the planner does not fuse) take this path, so it does the least work per call."""
     state = h.state
     st = state.step
+    if state.offload is not None:
+        state.offload.refresh([h])
     if st.kept and _claim_kept(h, dtype):
         return
     if not state.registry.start_gather(h.slot):
@@ -305,7 +309,7 @@ def _keep(h: ParamHandle) -> None:
         flat = st.flat_of.pop(h.ds_id, None)
         if flat is not None:
             flat.live -= 1  # inductor's own references free the group buffer
-    st.kept[h.ds_id] = h.shard._version
+    st.kept[h.ds_id] = h.source._version
 
 
 def _claim_kept(h: ParamHandle, dtype: torch.dtype) -> bool:
@@ -315,7 +319,7 @@ def _claim_kept(h: ParamHandle, dtype: torch.dtype) -> bool:
     version = st.kept.pop(h.ds_id, None)
     if version is None:
         return False
-    if version == h.shard._version and st.buffers[h.ds_id].dtype == dtype:
+    if version == h.source._version and st.buffers[h.ds_id].dtype == dtype:
         return True
     drop_hold(h)
     return False

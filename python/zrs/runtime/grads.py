@@ -77,15 +77,15 @@ def reduce_scatter_full(h: ParamHandle, grad: torch.Tensor) -> torch.Tensor:
     out = torch.empty(h.shard_numel, dtype=state.reduce_dtype, device=grad.device)
     work = reduce_scatter(out, packed.view(-1), state.reduce_group, async_op=True)
     state.wait(work, lambda: f"the gradient reduce-scatter of `{h.name}`")
-    return out.to(h.shard.dtype)
+    return out.to(h.source.dtype)
 
 
 def move_eager_grad(h: ParamHandle | None) -> None:
-    """Autograd accumulated a gradient into the flat shard (a gather run eagerly, outside a
-    compiled graph): it belongs to the parameter (None: the model was dropped)."""
+    """Autograd accumulated a gradient into the gathers' source (a gather run eagerly, outside
+    a compiled graph): it belongs to the parameter (None: the model was dropped)."""
     if h is None:
         return
-    grad, h.shard.grad = h.shard.grad, None
+    grad, h.source.grad = h.source.grad, None
     if grad is not None:
         accumulate_grad(h, grad)
 

@@ -99,6 +99,11 @@ class Offload:
                 "masters. Leave master_dtype unset (fp32) with offload"
             )
         h.compute = torch.empty(h.shard_numel, dtype=h.compute_dtype, device=self.device)
+        # The gathers' input in place of the shard (zrs.compile's graphs take it as the
+        # shard): its gradient is the parameter's, and its size stays out of dynamo's symbols.
+        h.compute.requires_grad_(h.shard.requires_grad)
+        torch._dynamo.mark_static(h.compute)
+        h.state.ds_ids[id(h.compute)] = h.ds_id
         self.refresh([h])
 
     def overlap_with(

@@ -112,7 +112,10 @@ def _fake(name: str):
 
 @_impl("gather")
 def _gather(shard, ds_id, shape, dtype=None):
-    return collectives.gather_full(handles.handle(ds_id), shard, dtype)
+    h = handles.handle(ds_id)
+    if h.state.offload is not None:
+        h.state.offload.refresh([h])
+    return collectives.gather_full(h, shard, dtype)
 
 
 @_fake("gather")
@@ -128,7 +131,7 @@ def _gather_grad(grad, ds_id):
 @_fake("gather_grad")
 def _gather_grad_fake(grad, ds_id):
     h = handles.handle(ds_id)
-    return grad.new_empty(h.shard_numel, dtype=h.shard.dtype)
+    return grad.new_empty(h.shard_numel, dtype=h.source.dtype)
 
 
 def _gather_setup(ctx, inputs, output):

@@ -113,7 +113,8 @@ class ZeroState:
     # parameter is the whole tensor).
     mesh: DeviceMesh | None = field(init=False)
     # One rank: a gather that casts nothing is lowered to a view of the shard (compiler/zero3.py).
-    # The compiler's tests turn it off to lower one process's graphs as several ranks' are.
+    # The compiler's tests turn it off to lower one process's graphs as several ranks' are. Not
+    # with offload: the gather is where a stale device copy is made again from its master.
     one_rank_views: bool = field(init=False)
     # A gloo group over `group`'s ranks for asynchronous checkpoint saves (zrs.checkpoint).
     checkpoint_group: dist.ProcessGroup | None = None
@@ -148,7 +149,7 @@ class ZeroState:
             self.gather_group = self.group
         if self.reduce_group is None:
             self.reduce_group = self.gather_group
-        self.one_rank_views = self.world_size == 1
+        self.one_rank_views = self.world_size == 1 and self.offload is None
         self.gather_stream = streams.side_stream(self.device, "gather")
         self.reduce_stream = streams.side_stream(self.device, "reduce")
         # With offload the parameters and their gradients are host tensors: their mesh is the

@@ -41,8 +41,9 @@ RUNS = (
     ("hf_gpt2", "eager", "adamw", "zrs_async"),
     ("scalar_param", "eager", "sgd", "zrs"),
     ("hf_gpt2", "shard", "sgd", "dcp"),
-    # the masters and AdamW's moments on the host (zrs.shard(offload="optimizer"))
+    # the masters and AdamW's moments on the host (offload="optimizer")
     ("hf_gpt2", "shard-offload", "adamw", "dcp"),
+    ("gpt_tied", "eager-offload", "sgd", "zrs"),
 )
 # zrs.compile's backends for the ordinary calls, and "shard": zrs.shard, the eager path
 CALLS = ("eager", "shard")

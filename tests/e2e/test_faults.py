@@ -20,7 +20,7 @@ def _within_timeout(record: dict) -> None:
     assert record["seconds"] <= TIMEOUT + MARGIN, record
 
 
-@pytest.mark.parametrize("backend", ["eager", "shard", "shard-offload"])
+@pytest.mark.parametrize("backend", ["eager", "shard", "shard-offload", "eager-offload"])
 def test_every_rank_raising_in_a_phase_recovers_to_the_clean_skip(backend):
     for r in run_workers(faults.all_ranks_raise, 2, TIMEOUT, backend, timeout=BOUND):
         faults.assert_recovered(r)

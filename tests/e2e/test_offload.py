@@ -23,18 +23,20 @@ BACKENDS = {1: ("shard", "eager"), 2: ("shard", "inductor"), 3: ("shard", "eager
 BF16_MODELS = ("mlp", "gpt_tied")
 RTOL, ATOL = 1e-5, 1e-6
 HF_RTOL, HF_ATOL = 1e-4, 1e-5  # test_hf_models.py's: deeper models, more reordered additions
-# zrs.OverlappedStep (the updates during the backward): (world, backend, model, max_norm);
-# GPT-2 on variable lengths: a Hugging Face model with biases, its ranks' batches of different
-# lengths
+# zrs.OverlappedStep (the updates during the backward): (world, backend, model, max_norm,
+# accumulation_steps); GPT-2 on variable lengths: a Hugging Face model with biases, its ranks'
+# batches of different lengths
 OVERLAPPED = [
-    (2, "shard", "gpt_tied", None),
-    (2, "shard", "hf_gpt2_varlen", 0.05),
-    (2, "inductor", "hf_gpt2_varlen", 0.05),
-    (2, "shard", "gpt_tied", 0.05),
-    (3, "shard", "bias_stack", None),
-    (3, "eager", "graph_break", None),
-    (3, "shard", "frozen", 0.05),
-    (3, "eager", "used_twice", 0.05),
+    (2, "shard", "gpt_tied", None, 1),
+    (2, "shard", "hf_gpt2_varlen", 0.05, 1),
+    (2, "inductor", "hf_gpt2_varlen", 0.05, 1),
+    (2, "shard", "gpt_tied", 0.05, 1),
+    (2, "inductor", "gpt_tied", None, 3),
+    (3, "shard", "bias_stack", None, 1),
+    (3, "eager", "graph_break", None, 1),
+    (3, "shard", "frozen", 0.05, 1),
+    (3, "eager", "used_twice", 0.05, 1),
+    (3, "shard", "chunked", 0.05, 2),
 ]
 
 pytestmark = pytest.mark.slow
@@ -45,15 +47,15 @@ def _case(model: str, backend: str, bf16: bool = False, **kw: object) -> Case:
     return Case(model, backend, offload="optimizer", default_group=False, **dtypes, **kw)
 
 
-def _overlapped(model: str, backend: str, max_norm: float | None) -> Case:
-    return _case(model, backend, overlapped=True, max_norm=max_norm)
+def _overlapped(model: str, backend: str, max_norm: float | None, accumulate: int) -> Case:
+    return _case(model, backend, overlapped=True, max_norm=max_norm, accumulate=accumulate)
 
 
 def _group(world: int) -> list[dict[str, dict]]:
     cases = [_case(m, b) for b in BACKENDS[world] for m in MODELS]
     if world == 2:
         cases += [_case(m, b, bf16=True) for b in BACKENDS[world] for m in BF16_MODELS]
-    cases += [_overlapped(m, b, norm) for w, b, m, norm in OVERLAPPED if w == world]
+    cases += [_overlapped(m, b, norm, acc) for w, b, m, norm, acc in OVERLAPPED if w == world]
     return cached_run(("offload", world), run_cases, world, cases)
 
 
@@ -107,13 +109,16 @@ def test_offloaded_bf16_matches_autocast_reference(model: str, backend: str) -> 
     )
 
 
-@pytest.mark.parametrize(("world", "backend", "model", "max_norm"), OVERLAPPED, ids=str)
+@pytest.mark.parametrize(
+    ("world", "backend", "model", "max_norm", "accumulate"), OVERLAPPED, ids=str
+)
 def test_updates_during_the_backward_match_reference(
-    world: int, backend: str, model: str, max_norm: float | None
+    world: int, backend: str, model: str, max_norm: float | None, accumulate: int
 ) -> None:
     """zrs.OverlappedStep: each parameter's update runs as its gradient reaches the host (with
-    max_norm, after the backward's global norm and clip)."""
-    case = _overlapped(model, backend, max_norm)
+    max_norm, after the backward's global norm and clip; accumulating micro-batches, in the
+    last one's backward)."""
+    case = _overlapped(model, backend, max_norm, accumulate)
     per_rank = case_outcome(_group(world), case.key, brief=False)
     ref = _reference(model, world, max_norm=max_norm)
     rtol, atol = (HF_RTOL, HF_ATOL) if model.startswith("hf_") else (RTOL, ATOL)

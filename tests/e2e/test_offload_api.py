@@ -270,6 +270,31 @@ def test_updates_during_the_backward_match_torch(max_norm, api):
         torch.testing.assert_close(full[name], p.detach(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("max_norm", [None, 0.05])
+def test_accumulated_updates_run_in_the_last_backward_as_torch_steps(max_norm, api):
+    """accumulation_steps=3: two backwards add on the host, the updates run in the third (with
+    max_norm after its global norm); gradients kept and zeroed in place (set_to_none=False)
+    accumulate as well as set to None."""
+    plain = _model()
+    ref = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1)
+    model = _offloaded(_model(), api)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    step = zrs.OverlappedStep(opt, max_norm=max_norm, accumulation_steps=3)
+    for n in range(3):
+        for m, o in ((plain, ref), (model, opt)):
+            o.zero_grad(set_to_none=n != 1)
+            for micro in range(3):
+                (m(_batch(10 * n + micro)).square().mean() / 3).backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(plain.parameters(), max_norm)
+        ref.step()
+        step()
+    full = zrs.full_state_dict(model)
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(full[name], p.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_a_non_finite_norm_skips_the_overlapped_step():
     model, opt, step = _overlapped(max_norm=1.0)
     before = {k: v.clone() for k, v in zrs.full_state_dict(model).items()}
@@ -302,8 +327,19 @@ def test_what_the_overlapped_step_refuses():
 
     model, opt, step = _overlapped()
     model(_batch(0)).square().mean().backward()
-    with pytest.raises(zrs.ZrsError, match=r"still had a gradient.*set_to_none"):
-        model(_batch(1)).square().mean().backward()  # accumulation
+    with pytest.raises(zrs.ZrsError, match=r"after the 1 of a step.*before the optimizer"):
+        model(_batch(1)).square().mean().backward()  # accumulation without accumulation_steps
+
+    model = _offloaded(_model(), "shard")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = zrs.OverlappedStep(opt, accumulation_steps=3)
+    for micro in range(2):
+        model(_batch(micro)).square().mean().backward()
+    with pytest.raises(zrs.ZrsError, match="after 2 of the step's 3 backwards"):
+        step()
+    for bad in (0, 1.5, True):
+        with pytest.raises(zrs.ZrsError, match="accumulation_steps must be a positive int"):
+            zrs.OverlappedStep(opt, accumulation_steps=bad)
 
     with pytest.raises(zrs.ZrsError, match=r'offload="optimizer"'):
         zrs.OverlappedStep(torch.optim.AdamW(zrs.shard(_model()).parameters()))

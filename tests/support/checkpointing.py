@@ -27,16 +27,16 @@ def optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
 
 
 def sharded(spec: Any, backend: str, device: str = "cpu") -> torch.nn.Module:
-    """The zoo model on `device`, sharded by zrs.shard ("shard"; "shard-offload": with
-    offload="optimizer") or zrs.compile(backend=)."""
+    """The zoo model on `device`, sharded by zrs.shard ("shard") or zrs.compile(backend=); with
+    offload="optimizer" after "-offload" ("shard-offload", "eager-offload")."""
     import zrs
 
     model = spec.build().to(device)
-    if backend == "shard":
-        return zrs.shard(model)
-    if backend == "shard-offload":
-        return zrs.shard(model, offload="optimizer")
-    return zrs.compile(model, backend=backend)
+    api = backend.removesuffix("-offload")
+    kwargs = {"offload": "optimizer"} if api != backend else {}
+    if api == "shard":
+        return zrs.shard(model, **kwargs)
+    return zrs.compile(model, backend=api, **kwargs)
 
 
 def new(

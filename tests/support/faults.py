@@ -152,16 +152,17 @@ def on(device: str) -> torch.device:
 def build(
     timeout: float | None, backend: str = "eager", device: str = "cpu", **kwargs: Any
 ) -> tuple[Net, torch.optim.Optimizer]:
-    """Net on `device` under zrs.compile with `backend`, or under zrs.shard (`backend="shard"`;
-    "shard-offload": with offload="optimizer")."""
+    """Net on `device` under zrs.compile with `backend`, or under zrs.shard (`backend="shard"`);
+    either with offload="optimizer" after "-offload" ("shard-offload", "eager-offload")."""
     torch.manual_seed(0)
     net = Net().to(on(device))
-    if backend == "shard":
+    api = backend.removesuffix("-offload")
+    if api != backend:
+        kwargs["offload"] = "optimizer"
+    if api == "shard":
         model = zrs.shard(net, timeout=timeout, **kwargs)
-    elif backend == "shard-offload":
-        model = zrs.shard(net, timeout=timeout, offload="optimizer", **kwargs)
     else:
-        model = zrs.compile(net, backend=backend, timeout=timeout, **kwargs)
+        model = zrs.compile(net, backend=api, timeout=timeout, **kwargs)
     return model, torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
 
 

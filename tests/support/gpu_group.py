@@ -151,6 +151,7 @@ def offload_cases() -> list[Case]:
         case("gpt_tied", "shard", overlapped=True, **off),
         case(OFFLOAD_CLIP[0], "shard", max_norm=OFFLOAD_CLIP[1], overlapped=True, **off),
         case("mlp", COMPILED_UNITS, param_dtype=torch.bfloat16, overlapped=True, **off),
+        case("mlp", "shard", accumulate=2, overlapped=True, **off),  # adds in the worker
     ]
     compiled = [
         case("gpt_tied", "inductor", param_dtype=torch.bfloat16, **off),

@@ -574,7 +574,9 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
     if case.graphed_step:
         optimizer_step = zrs.GraphedStep(opt, max_norm=case.max_norm)
     elif case.overlapped:
-        optimizer_step = zrs.OverlappedStep(opt, max_norm=case.max_norm)
+        optimizer_step = zrs.OverlappedStep(
+            opt, max_norm=case.max_norm, accumulation_steps=case.accumulate
+        )
     losses = []
     for step in range(case.steps):
         opt.zero_grad(set_to_none=True)

@@ -107,14 +107,22 @@ class Offload:
         self.refresh([h])
 
     def overlap_with(
-        self, optimizer: torch.optim.Optimizer, max_norm: float | None, timeout: float
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float | None,
+        accumulation_steps: int,
+        timeout: float,
     ) -> Overlap:
         """Run `optimizer`'s updates during the backward from now on (zrs.OverlappedStep)."""
         if self.overlap is not None:
-            if self.overlap.stepped_by(optimizer) and self.overlap.max_norm == max_norm:
+            same = (self.overlap.max_norm, self.overlap.accumulation_steps) == (
+                max_norm,
+                accumulation_steps,
+            )
+            if self.overlap.stepped_by(optimizer) and same:
                 return self.overlap
             self.overlap.close()
-        self.overlap = Overlap(self.host, optimizer, max_norm, timeout, self)
+        self.overlap = Overlap(self.host, optimizer, max_norm, accumulation_steps, timeout, self)
         return self.overlap
 
     def refresh(self, hs: list[ParamHandle]) -> None:
@@ -135,8 +143,9 @@ class Offload:
         """A reduced gradient shard as a host tensor of `dtype`, or added to `into` (a host
         gradient) if given. From a GPU the copy is in flight until `arrive()`."""
         if grad.device.type == "cpu":
-            host = grad.to(dtype)
-            return host if into is None else into.add_(host)
+            # A tensor of its own, as a GPU's pinned copy is: the reduced gradients are views of
+            # one bucket, whose shared version counter would move with every sibling's write.
+            return grad.to(dtype, copy=True) if into is None else into.add_(grad)
         assert self.copy_stream is not None
         host = torch.empty(grad.shape, dtype=dtype, pin_memory=True)
         self.copy_stream.wait_stream(torch.cuda.current_stream(grad.device))
@@ -153,9 +162,13 @@ class Offload:
 
     def received(self, h: ParamHandle, accumulated: bool) -> None:
         """`h`'s gradient for this backward is set (or, `accumulated`, added to its `.grad`)."""
-        if self.overlap is not None:
-            arrived = self.arriving[-1].done if self.arriving else None
-            self.overlap.received(h, arrived, accumulated)
+        if self.overlap is None:
+            return
+        arrived = self.arriving[-1].done if self.arriving else None
+        # An add still waiting for its copy (beside a GPU) is the one `to_host` just queued.
+        add = self.adds[-1] if accumulated and self.adds else None
+        if self.overlap.received(h, arrived, add):
+            self.adds.pop()  # the update adds it once the copy has arrived
 
     def backward_over(self, group: dist.ProcessGroup | None, world_size: int) -> None:
         """The backward is over: every gradient has reached the host."""

@@ -8,10 +8,15 @@ compute-dtype copy back on a stream of its own. With `max_norm` the updates wait
 the backward, which computes the global norm and clips on the host first (or skips a step whose
 norm is not finite).
 
-The contract, checked rather than assumed: every backward is followed by the optimizer's step
-before the next backward, and nothing changes the gradients or the hyperparameters in between.
-`finish` (the step) raises a ZrsError on every rank that broke it, and a second backward into
-gradients already stepped (accumulation) raises at once.
+With `accumulation_steps` = N, the first N - 1 backwards of a step accumulate their gradients
+on the host as without overlap, and the updates run during the Nth: each waits for its
+gradient's last copy and adds it (or, where something else must see the sum first, a clip or a
+gradient hook, waits for the backward's end, where the sum is made).
+
+The contract, checked rather than assumed: every N backwards are followed by the optimizer's
+step before the next backward, and nothing changes the gradients or the hyperparameters in
+between. `finish` (the step) raises a ZrsError on every rank that broke it, and a backward into
+gradients already stepped raises at once.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ class Job:
     group: dict  # its param group as of this backward (a copy: the step checks the original)
     arrived: torch.cuda.Event | None  # its gradient's copy to the host
     grad: torch.Tensor  # the `.grad` it read, which the step checks is still in place
+    add: tuple[torch.Tensor, torch.Tensor] | None  # (arrived copy, the `.grad` it adds to)
+    waits: bool  # for the backward's end: the gradient's sum is made there
     ready: threading.Event = field(default_factory=threading.Event)
     sent: torch.cuda.Event | None = None  # its compute-dtype copy is on the device
     read: tuple[int, int] = (-1, -1)  # the gradient's versions as the update may read it
@@ -65,19 +72,22 @@ class Overlap:
         host: HostOptimizer,
         optimizer: torch.optim.Optimizer,
         max_norm: float | None,
+        accumulation_steps: int,
         timeout: float,
         staging: Staging,
     ) -> None:
         self.host = host
         self.optimizer = optimizer
         self.max_norm = max_norm
+        self.accumulation_steps = accumulation_steps
+        self.backwards = 0  # ended since the last step
         self.timeout = timeout
         self.staging = staging  # Offload: where each update writes its compute-dtype copy
         self.groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         self.jobs: dict[int, Job] = {}  # ds_id -> this backward's
         self.snapshots: dict[int, dict] = {}  # id(group) -> the copy this backward's updates read
         self.queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self.released = threading.Event()  # with max_norm: the norm is known
+        self.released = threading.Event()  # the step's last backward ended (and clipped)
         self.skip = False  # with max_norm: this step's norm is not finite
         self.skipped = 0
         self.norm: float | None = None
@@ -94,41 +104,51 @@ class Overlap:
     def stepped_by(self, optimizer: torch.optim.Optimizer) -> bool:
         return optimizer is self.optimizer
 
-    def received(self, h: ParamHandle, arrived: torch.cuda.Event | None, accumulated: bool) -> None:
-        """`h`'s gradient for this backward is on its way to the host (`accumulated`: added to
-        a `.grad` it already had): queue its update."""
+    def received(
+        self,
+        h: ParamHandle,
+        arrived: torch.cuda.Event | None,
+        add: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> bool:
+        """`h`'s gradient for this backward is on its way to the host (`add`: a copy still in
+        flight that the caller would add to the `.grad` at the backward's end): queue its
+        update if this is the step's last backward. True if the update makes the add."""
         group = self.groups.get(id(h.param))
-        if group is None:
-            return  # not this optimizer's: its own step() updates it
-        if accumulated:
-            raise ZrsError(
-                f"zrs.OverlappedStep: `{h.name}` still had a gradient when the backward reached "
-                "it, and its update runs during the backward: set the gradients to None before "
-                "each backward (optimizer.zero_grad(), set_to_none=True by default); to "
-                "accumulate micro-batches, step without OverlappedStep"
-            )
+        if group is None or self.backwards + 1 < self.accumulation_steps:
+            return False  # another optimizer's, or an earlier micro-batch: it accumulates
         if h.ds_id in self.jobs:
             raise ZrsError(
-                f"zrs.OverlappedStep: a second backward reached `{h.name}` before the "
-                "optimizer's step, but its update already ran in the first one. Accumulating "
-                "gradients across micro-batches needs the step after the backward: use "
-                "optimizer.step() without OverlappedStep"
+                f"zrs.OverlappedStep: a backward reached `{h.name}` after the "
+                f"{self.accumulation_steps} of a step (accumulation_steps) and before the "
+                "optimizer's step, but its update already ran. Call the step after every "
+                f"{self.accumulation_steps} backwards"
             )
         grad = h.param.grad
         assert grad is not None
+        # The update adds the last copy itself, unless something must see the sum before it
+        # runs: the clip's norm or a gradient hook, both at the backward's end.
+        hooks = bool(h.param._post_accumulate_grad_hooks)
+        takes = add is not None and self.max_norm is None and not hooks
         seen = self.snapshots.get(id(group))
         if seen is None:  # tensors too: a scheduler may write a tensor lr in place
             seen = self.snapshots[id(group)] = {
                 k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in group.items()
             }
-        job = Job(h, seen, arrived, grad, read=_versions(grad))
+        waits = add is not None and not takes
+        job = Job(h, seen, arrived, grad, add if takes else None, waits, read=_versions(grad))
         self.jobs[h.ds_id] = job
         self.queue.put(job)
+        return takes
 
     def backward_over(self, group: dist.ProcessGroup | None, world_size: int) -> None:
-        """Every gradient has reached the host: with `max_norm`, the global norm (over the
-        ranks), the clip, and the updates may start."""
-        if self.max_norm is None or self.released.is_set():
+        """Every gradient of this backward has reached the host (and the accumulated ones are
+        summed): after the step's last, with `max_norm` the global norm (over the ranks) and
+        the clip; the updates that wait may start."""
+        self.backwards += 1
+        if self.backwards < self.accumulation_steps or self.released.is_set():
+            return
+        if self.max_norm is None:
+            self.released.set()
             return
         grads = [_local(j.grad) for j in self.jobs.values()]
         # A 0-d parameter is replicated: each rank holds the whole of it, counted once.
@@ -169,15 +189,25 @@ class Overlap:
         compute stream after the copies; the ids of the parameters stepped (their gradients are
         consumed)."""
         jobs, self.jobs = list(self.jobs.values()), {}
+        backwards, self.backwards = self.backwards, 0
         try:
-            early = self.max_norm is not None and bool(jobs) and not self.released.is_set()
+            waiting = self.max_norm is not None or any(job.waits for job in jobs)
+            early = waiting and bool(jobs) and not self.released.is_set()
             if early:  # let the waiting updates go, as skipped, before refusing
                 self.skip = True
                 self.released.set()
             for job in jobs:
                 self._wait(job)
             if early:
-                self._fail("the optimizer stepped before the backward ended (no global norm yet)")
+                self._fail("the optimizer stepped before the backward ended")
+            if 0 < backwards < self.accumulation_steps:
+                self._fail(
+                    f"the optimizer stepped after {backwards} of the step's "
+                    f"{self.accumulation_steps} backwards (accumulation_steps), whose last "
+                    "runs the updates. Step after every "
+                    f"{self.accumulation_steps} backwards, or leave out the incomplete "
+                    "accumulation"
+                )
             if self.error is not None:
                 error, self.error = self.error, None
                 raise error
@@ -224,7 +254,11 @@ class Overlap:
     def _update(self, job: Job) -> None:
         if job.arrived is not None:
             job.arrived.synchronize()
-        if self.max_norm is not None:
+        if job.add is not None:  # the last micro-batch's copy: the gradient's sum
+            host, into = job.add
+            into.add_(host)
+            job.read = _versions(job.grad)
+        if self.max_norm is not None or job.waits:
             if not self.released.wait(self.timeout):
                 raise ZrsError("zrs.OverlappedStep: the backward did not end within the timeout")
             if self.skip:

@@ -11,8 +11,8 @@ from zrs.runtime.overlap import Overlap
 
 
 class OverlappedStep:
-    """The optimizer step of a model sharded with `zrs.shard(model, offload="optimizer")`, run
-    on the host during the backward: each parameter's update starts as soon as its reduced
+    """The optimizer step of a model prepared with `offload="optimizer"` (`zrs.shard` or
+    `zrs.compile`), run on the host during the backward: each parameter's update starts as soon as its reduced
     gradient has reached the host, and its compute-dtype copy goes back to the GPU while the
     backward goes on. Call it where you would call `optimizer.step()`::
 
@@ -27,18 +27,40 @@ class OverlappedStep:
     it by their global norm (as `torch.nn.utils.clip_grad_norm_` does) or skips the step when
     the norm is inf or NaN (`skipped_steps`); the call returns the norm.
 
+    With `accumulation_steps` = N, each step follows N backwards (micro-batches): the first
+    N - 1 add their gradients on the host, and the updates run during the last one::
+
+        for i, batch in enumerate(data):
+            (model(batch) / N).backward()
+            if (i + 1) % N == 0:
+                step()
+                optimizer.zero_grad()
+
     The updates run before the step is called, so the step must follow each backward with the
     gradients as it left them. A ZrsError on the step names what broke that: a gradient that
     changed after its update read it (`clip_grad_norm_`: pass `max_norm` instead), a
-    hyperparameter changed between the backward and the step (a scheduler stepped first), and
-    a second backward before the step (gradient accumulation: use `optimizer.step()`).
+    hyperparameter changed between the backward and the step (a scheduler stepped first), a
+    step after fewer than N backwards, and, at once, a backward after N before the step.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, max_norm: float | None = None) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        max_norm: float | None = None,
+        accumulation_steps: int = 1,
+    ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ZrsError(f"OverlappedStep takes a torch.optim.Optimizer, not {optimizer!r}")
         if max_norm is not None and not max_norm > 0:
             raise ZrsError(f"max_norm must be a positive number or None, not {max_norm!r}")
+        if isinstance(accumulation_steps, bool) or not (
+            isinstance(accumulation_steps, int) and accumulation_steps >= 1
+        ):
+            raise ZrsError(
+                f"accumulation_steps must be a positive int (backwards a step), not "
+                f"{accumulation_steps!r}"
+            )
         host_step.check_supported(optimizer)
         ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
         self.optimizer = optimizer
@@ -49,11 +71,12 @@ class OverlappedStep:
             if state.offload is None:
                 raise ZrsError(
                     "OverlappedStep runs the optimizer's host update during the backward, but "
-                    "this optimizer steps a model sharded without offload. Shard it with "
-                    'zrs.shard(model, offload="optimizer"), or call optimizer.step()'
+                    "this optimizer steps a model sharded without offload. Prepare it with "
+                    'offload="optimizer" (zrs.shard or zrs.compile), or call optimizer.step()'
                 )
             timeout = state.timeout.total_seconds()
-            self.overlaps.append(state.offload.overlap_with(optimizer, max_norm, timeout))
+            overlap = state.offload.overlap_with(optimizer, max_norm, accumulation_steps, timeout)
+            self.overlaps.append(overlap)
         if not self.overlaps:
             raise ZrsError("OverlappedStep: the optimizer steps no parameter of a zrs model")
 

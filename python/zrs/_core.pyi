@@ -165,6 +165,9 @@ def fit_cost_model(
 ) -> str:
     """Fit latency + bytes/bandwidth from (full bytes, microseconds) samples; JSON."""
 
+def fit_copy_link(samples: Sequence[tuple[int, float]]) -> str:
+    """Fit a copy link (offload's device-to-host copies) from (bytes, microseconds); JSON."""
+
 # --- eager path (rust/zrs-core/src/eager; one call per module hook) ---
 
 _Fetch = tuple[list[int], list[int], list[list[int]], tuple[int, int | None, int] | None]

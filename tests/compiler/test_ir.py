@@ -174,6 +174,33 @@ def test_ir_counts_a_reduce_scatter_in_the_reduce_dtype():
     assert rs_bytes(reduce_dtype=torch.float64) == [b * 2 for b in own]
 
 
+def test_with_offload_each_reduce_scatter_copies_its_rank_s_fp32_shard_to_the_host(tmp_path):
+    """host_bytes: this rank's rows of the gradient (padded to whole shards), as an fp32
+    master's gradient whatever the reduce dtype; the planner times their copies to the host,
+    and its trace shows them."""
+    import json
+
+    import zrs.planner as zplan
+
+    graph = lowered("conv_bn")[1]
+    ir, _ = fx_ir.build_ir(graph, world=3, reduce_dtype=torch.bfloat16, host_copies=True)
+    reduces = [n for n in ir["nodes"] if n["kind"] == "reduce_scatter"]
+    assert reduces and all(n["host_bytes"] == -(-n["bytes"] // 2 // 3) * 4 for n in reduces)
+    plain, _ = fx_ir.build_ir(graph, world=3)
+    assert not any("host_bytes" in n for n in plain["nodes"])
+    # A host link of 10 KB/s: the copies outlast the backward, whose end waits for them.
+    host = zplan.fit_copy_link([(1 << 10, 1e5), (2 << 10, 2e5)])
+    cost = {**zplan.cost_model("nvlink", 3), "host": host}
+    with_copies = zplan.plan(ir, "greedy", cost=cost)
+    without = zplan.plan(ir, "greedy", cost=zplan.cost_model("nvlink", 3))
+    assert with_copies["host_copy_busy_us"] > 0 and without["host_copy_busy_us"] == 0
+    assert with_copies["host_copy_busy_us"] > 10 * without["makespan_us"]
+    assert with_copies["makespan_us"] > with_copies["host_copy_busy_us"]
+    trace = json.loads(zplan.write_trace(ir, tmp_path / "t.json", "greedy", cost=cost).read_text())
+    copies = [e for e in trace["traceEvents"] if e.get("cat") == "host_copy"]
+    assert len(copies) == len(reduces) and all(e["dur"] > 0 for e in copies)
+
+
 def test_backward_inputs_are_live_at_the_start_and_freed_at_their_last_reader():
     fw, bw = lowered("gpt_tied")
     ir_fw, _ = fx_ir.build_ir(fw)

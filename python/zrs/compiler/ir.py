@@ -5,7 +5,8 @@ graph's order, but for the unread symbolic inputs that only some ranks have
 * ``allgather_param`` -> ``allgather`` (``bytes``: the gathered tensor, numel x itemsize;
   ``dtype``: the gathered dtype, which the planner fuses only with its like);
   ``wait_allgather`` -> ``wait``; ``release_param`` -> ``release``; ``reduce_grad`` ->
-  ``reduce_scatter`` (``bytes``: the full gradient in the reduce dtype); ``prefetch_params_fused``,
+  ``reduce_scatter`` (``bytes``: the full gradient in the reduce dtype; with offload,
+  ``host_bytes``: this rank's shard of it copied to the host after); ``prefetch_params_fused``,
   ``end_backward``, placeholders, the output, ``getitem`` and views -> ``other`` (no time);
   every other node -> ``compute``.
 * **Durations** (``estimate_us``) are analytic: ``floor + max(flops / FLOPS, bytes / BW)``,
@@ -336,13 +337,16 @@ def build_ir(
     is_backward: bool = False,
     reduce_dtype: torch.dtype | None = None,
     hints: SizeHints | None = None,
+    host_copies: bool = False,
 ) -> tuple[dict[str, Any], list[fx.Node]]:
     """The planner IR of a lowered graph, and the FX node behind each IR index.
 
     ``durations`` (node name -> microseconds) overrides the analytic estimate: the hook for a
     measured profile. A backward graph's inputs are live at its start (``base_bytes``) and
     freed at their last readers. ``hints`` size the symbolic dimensions (``profile.size_hints``,
-    the same on every rank); without them each counts as ``SYMBOLIC_DIM``.
+    the same on every rank); without them each counts as ``SYMBOLIC_DIM``. ``host_copies``
+    (offload): each reduce-scatter's shard of the gradient then goes to the host as an fp32
+    master's gradient (``host_bytes``).
     """
     hints = hints or {}
     local = rank_local_inputs(graph)  # unread inputs some ranks lack: every rank's IR alike
@@ -364,11 +368,10 @@ def build_ir(
                 spec["dtype"] = str(val(n).dtype)
         elif kind == "reduce_scatter":
             grad = val(n.args[0])
-            spec["bytes"] = (
-                _numel(grad, hints) * (reduce_dtype or grad.dtype).itemsize
-                if isinstance(grad, torch.Tensor)
-                else 0
-            )
+            numel = _numel(grad, hints) if isinstance(grad, torch.Tensor) else 0
+            spec["bytes"] = numel * (reduce_dtype or grad.dtype).itemsize if numel else 0
+            if host_copies and numel:
+                spec["host_bytes"] = -(-numel // max(world, 1)) * 4  # this rank's fp32 rows
         elif kind == "compute":
             us = durations.get(n.name) if durations is not None else None
             spec["duration_us"] = (

@@ -22,12 +22,13 @@ import time
 
 from torch import fx
 
+from zrs import planner as zplan
 from zrs.compiler.coalesce import coalesce
 from zrs.compiler.consistency import check_same_graph
 from zrs.compiler.grad_buckets import plan_grad_buckets
 from zrs.compiler.keep import keep_for_backward
 from zrs.compiler.plan import PlanContext, device_budget, graph_label, plan_graph
-from zrs.compiler.profile import measure_collectives
+from zrs.compiler.profile import measure_collectives, measure_host_copies
 from zrs.compiler.record import Record
 from zrs.compiler.zero3 import lower_zero3
 from zrs.runtime.state import ZeroState
@@ -62,6 +63,21 @@ def _spent(state: ZeroState, phase: str, seconds: float) -> None:
     state.compile_s[phase] = state.compile_s.get(phase, 0.0) + seconds
 
 
+def _measure_host_link(state: ZeroState) -> None:
+    """Offload beside a GPU: the gradients' copy link to the host, into the cost model (on the
+    collectives' measured model, else the device's default)."""
+    state.host_measured = True
+    if state.device.type != "cuda":
+        return  # the host is the device: nothing to copy over
+    t0 = time.perf_counter()
+    with state.exchanging("the host copy sweep"):
+        link = measure_host_copies(state.control_group, state.device)
+    state.compile_s["host_sweep"] = time.perf_counter() - t0
+    if link is not None:
+        base = state.cost_model or zplan.cost_model("nvlink", max(state.world_size, 1))
+        state.cost_model = {**base, "host": link}
+
+
 def plan_context(state: ZeroState, record: Record | None = None, warm: bool = False) -> PlanContext:
     """Step 2: the planner's options for one graph compile. Called on every rank before inductor's
     cache lookup: an automatic CUDA budget is a collective (the least free memory over ranks).
@@ -74,6 +90,7 @@ def plan_context(state: ZeroState, record: Record | None = None, warm: bool = Fa
         elif budget is None:
             source = "the planner's default (the greedy schedule's peak)"
         state.cost_model, state.cost_measured = record.cost, True
+        state.host_measured = True  # a measured host link came with the record
     elif budget is None and state.scheduler == "search" and state.device.type == "cuda":
         t0 = time.perf_counter()
         with state.exchanging("the exchange of the free device memory"):
@@ -94,6 +111,8 @@ def plan_context(state: ZeroState, record: Record | None = None, warm: bool = Fa
             )
         state.cost_measured = True
         state.compile_s["sweep"] = time.perf_counter() - t0
+    if profile and state.offload is not None and not state.host_measured:
+        _measure_host_link(state)
     if record is not None and not warm:
         record.budget = budget if state.memory_budget is None else None
         record.cost = state.cost_model
@@ -108,6 +127,7 @@ def plan_context(state: ZeroState, record: Record | None = None, warm: bool = Fa
         rank=state.rank,
         trace_dir=state.trace_dir,
         cost=state.cost_model,
+        host_copies=state.offload is not None,
         profile=profile,
         reduce_dtype=state.reduce_dtype,
         record=record,

@@ -52,7 +52,10 @@ class PlanContext:
     rank: int = 0
     trace_dir: str | None = None
     # Cost model for the collectives: a preset name, a measured dict, or None for the default.
+    # With offload it may hold the measured device-to-host link ("host").
     cost: str | dict[str, Any] | None = None
+    # Offload: each reduce-scatter's shard goes to the host (the IR's `host_bytes`).
+    host_copies: bool = False
     # Time the lowered graph's compute nodes once on real tensors (`zrs.compiler.profile`) on
     # `device`.
     profile: bool = False
@@ -183,6 +186,7 @@ def plan_graph(
         is_backward=is_backward,
         reduce_dtype=ctx.reduce_dtype,
         hints=hints,
+        host_copies=ctx.host_copies,
     )
     trace = bool(ctx.trace_dir) and ctx.rank == 0
     try:

@@ -18,6 +18,7 @@ The ranks exchange their measurements and all take the element-wise maximum.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -346,3 +347,30 @@ def measure_collectives(
         _log.info("collective sweep not usable (%s); using the analytic cost model", e)
         return None
     return model  # the fit rejects a non-positive or non-finite bandwidth itself
+
+
+# Offload's device-to-host link: the sizes of its sweep (bytes a rank copies).
+HOST_COPY_BYTES = (1 << 20, 8 << 20, 64 << 20)
+
+
+def measure_host_copies(
+    control: dist.ProcessGroup | None, device: torch.device
+) -> dict[str, Any] | None:
+    """Offload's copy link (device to pinned host memory), fitted to a short sweep that every
+    rank of the host runs at once, as the backward's copies do (they share the host's memory and
+    links); the ranks agree on the slowest times. The cost model's `host` link, or None when
+    the sweep cannot be fitted."""
+    samples = []
+    with unset_fake_temporarily(), no_python_dispatcher():
+        for size in HOST_COPY_BYTES:
+            src = torch.empty(size, dtype=torch.uint8, device=device)
+            dst = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            copy = functools.partial(dst.copy_, src, non_blocking=True)
+            copy()  # warm-up
+            samples.append(min(_timed(copy, (), device) for _ in range(SWEEP_REPS)))
+    agreed = agree_max(samples, control)
+    try:
+        return zplan.fit_copy_link(list(zip(HOST_COPY_BYTES, agreed, strict=True)))
+    except ZrsError as e:
+        _log.info("host copy sweep not usable (%s); the plan counts no host copies", e)
+        return None

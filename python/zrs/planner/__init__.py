@@ -31,6 +31,7 @@ Graph = dict[str, Any] | str
 __all__ = [
     "compare",
     "cost_model",
+    "fit_copy_link",
     "fit_cost_model",
     "plan",
     "plot_memory",
@@ -90,6 +91,12 @@ def fit_cost_model(
 ) -> dict[str, Any]:
     """Fit latency + bytes/bandwidth from a sweep of (full bytes, microseconds) samples."""
     return json.loads(_core.fit_cost_model(list(allgather), list(reduce_scatter), world))
+
+
+def fit_copy_link(samples: Sequence[tuple[int, float]]) -> dict[str, Any]:
+    """Fit latency + bytes/bandwidth of a copy (offload's device-to-host link, the cost model's
+    `host`) from (bytes, microseconds) samples."""
+    return json.loads(_core.fit_copy_link(list(samples)))
 
 
 def write_trace(

@@ -99,6 +99,7 @@ class ZeroState:
     keep_for_backward: bool = True
     cost_model: dict | None = None
     cost_measured: bool = False
+    host_measured: bool = False  # offload's copy link, in cost_model["host"] (CUDA)
     # Wall seconds of zrs's own compile work, summed over graphs (compiler): "lower", "profile",
     # "plan", "keep", "buckets", "coalesce" and the collective "sweep"; dynamo and inductor take
     # the rest.

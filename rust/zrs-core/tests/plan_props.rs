@@ -181,6 +181,7 @@ fn cost(seed: u64) -> CostModel {
                 latency_us: 20.0,
                 bus_gbps: 0.005,
             },
+            host: None,
         }
     }
 }

@@ -4,7 +4,7 @@
 use pyo3::prelude::*;
 use zrs_core::plan;
 use zrs_core::plan::compiled::{self, GraphBudget};
-use zrs_core::plan::cost::CostModel;
+use zrs_core::plan::cost::{CostModel, LinkModel};
 
 use crate::error::ToPyResult;
 
@@ -112,6 +112,13 @@ fn fit_cost_model(
     ToPyResult(CostModel::fit(&allgather, &reduce_scatter, world).map(|m| m.to_json())).into()
 }
 
+/// Fit a point-to-point copy link (offload's device-to-host copies) from (bytes, microseconds)
+/// samples: the cost model's `host` link, as JSON.
+#[pyfunction]
+fn fit_copy_link(samples: Vec<(u64, f64)>) -> PyResult<String> {
+    ToPyResult(LinkModel::fit_copy(&samples).map(|l| l.to_json())).into()
+}
+
 /// The forward's last-released parameters to keep for the backward (`plan::keep`): releases in
 /// execution order as (ds_id, gathered bytes), the forward's largest gather, and the bytes an
 /// explicit budget has left over the forward's planned peak (None without one).
@@ -134,6 +141,7 @@ fn grad_buckets(numels: Vec<u64>, capacity: u64) -> Vec<u64> {
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(grad_buckets, m)?)?;
+    m.add_function(wrap_pyfunction!(fit_copy_link, m)?)?;
     m.add_function(wrap_pyfunction!(kept_for_backward, m)?)?;
     m.add_function(wrap_pyfunction!(plan_graph, m)?)?;
     m.add_function(wrap_pyfunction!(plan_compiled, m)?)?;

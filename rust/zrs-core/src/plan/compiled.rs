@@ -48,13 +48,15 @@ pub fn default_cost(device_type: &str, world: u32) -> CostModel {
             world,
             allgather: CPU_GLOO_LINK,
             reduce_scatter: CPU_GLOO_LINK,
+            host: None,
         }
     }
 }
 
 /// `cost` as the planner sees it with more than one rank: each collective's latency raised by
 /// [`PLAN_LATENCY_SLACK_US`] and its bandwidth divided by [`PLAN_BANDWIDTH_DERATE`], "+margin"
-/// appended to its name. Unchanged on one rank.
+/// appended to its name. Unchanged on one rank. The host link stays as measured: its sweep ran
+/// with every rank of the host copying at once.
 pub fn planning_margin(cost: &CostModel, world: u32) -> CostModel {
     if world <= 1 {
         return cost.clone();
@@ -73,6 +75,7 @@ pub fn planning_margin(cost: &CostModel, world: u32) -> CostModel {
         world: cost.world,
         allgather: derate(&cost.allgather),
         reduce_scatter: derate(&cost.reduce_scatter),
+        host: cost.host,
     }
 }
 

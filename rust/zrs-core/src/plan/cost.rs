@@ -8,6 +8,11 @@
 //! NVIDIA H200s of one host (torch.distributed + NCCL, bf16, 20 iterations after 5 warm-ups,
 //! sizes 64 KiB .. 256 MiB): with NVLink P2P, and with `NCCL_P2P_DISABLE=1` (the
 //! "bandwidth-limited" preset). See docs/planner.md.
+//!
+//! With offload a third link carries each reduced gradient shard to the host: `host`, the
+//! device-to-host copy engine, `latency + bytes / bandwidth` per rank (no ring). It has no
+//! preset: the compile's profile measures it beside a GPU (docs/offload.md), and a model
+//! without it simulates no host copies.
 
 use serde::{Deserialize, Serialize};
 
@@ -102,6 +107,29 @@ impl LinkModel {
                     .into(),
             ));
         }
+        Self::fit_scaled(samples, f)
+    }
+
+    /// The fit of a point-to-point copy, `us = a + b * bytes` (the host link): every byte of
+    /// the sample moves.
+    pub fn fit_copy(samples: &[(u64, f64)]) -> Result<Self> {
+        Self::fit_scaled(samples, 1.0)
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("LinkModel serializes")
+    }
+
+    /// A copy's time: `latency_us + bytes / bandwidth`, 0 for no bytes.
+    #[inline]
+    pub fn copy_us(&self, bytes: u64) -> f64 {
+        if bytes == 0 {
+            return 0.0;
+        }
+        self.latency_us + bytes as f64 / (self.bus_gbps * 1e3)
+    }
+
+    fn fit_scaled(samples: &[(u64, f64)], f: f64) -> Result<Self> {
         let pts: Vec<(f64, f64)> = samples
             .iter()
             .filter(|(b, us)| *b > 0 && us.is_finite() && *us > 0.0)
@@ -158,6 +186,9 @@ pub struct CostModel {
     pub world: u32,
     pub allgather: LinkModel,
     pub reduce_scatter: LinkModel,
+    /// The device-to-host copy of offload's gradients, if measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<LinkModel>,
 }
 
 impl CostModel {
@@ -170,6 +201,7 @@ impl CostModel {
                 .expect("measured fit"),
             reduce_scatter: LinkModel::fit(&NVLINK_2XH200_REDUCE_SCATTER, MEASURED_WORLD)
                 .expect("measured fit"),
+            host: None,
         }
     }
 
@@ -182,6 +214,7 @@ impl CostModel {
                 .expect("measured fit"),
             reduce_scatter: LinkModel::fit(&NOP2P_2XH200_REDUCE_SCATTER, MEASURED_WORLD)
                 .expect("measured fit"),
+            host: None,
         }
     }
 
@@ -211,6 +244,7 @@ impl CostModel {
             world,
             allgather: LinkModel::fit(allgather, world)?,
             reduce_scatter: LinkModel::fit(reduce_scatter, world)?,
+            host: None,
         })
     }
 
@@ -225,10 +259,12 @@ impl CostModel {
     pub fn from_json(s: &str) -> Result<Self> {
         let m: CostModel = serde_json::from_str(s)
             .map_err(|e| Error::Invalid(format!("invalid cost model JSON: {e}")))?;
-        for (what, l) in [
-            ("allgather", &m.allgather),
-            ("reduce_scatter", &m.reduce_scatter),
-        ] {
+        let links = [
+            ("allgather", Some(&m.allgather)),
+            ("reduce_scatter", Some(&m.reduce_scatter)),
+            ("host", m.host.as_ref()),
+        ];
+        for (what, l) in links.iter().filter_map(|(w, l)| l.map(|l| (w, l))) {
             if !(l.latency_us.is_finite()
                 && l.latency_us >= 0.0
                 && l.bus_gbps.is_finite()
@@ -258,6 +294,12 @@ impl CostModel {
     #[inline]
     pub fn reduce_scatter_us(&self, bytes: u64) -> f64 {
         self.reduce_scatter.time_us(bytes, self.world)
+    }
+
+    /// The host copy of `bytes` after a reduce-scatter; 0 without a host link.
+    #[inline]
+    pub fn host_copy_us(&self, bytes: u64) -> f64 {
+        self.host.map_or(0.0, |l| l.copy_us(bytes))
     }
 
     /// Largest fused all-gather payload whose transfer time is at most `factor` latencies: below it
@@ -294,6 +336,24 @@ mod tests {
         let m = LinkModel::fit(&s, 4).unwrap();
         assert!((m.latency_us - 25.0).abs() < 1e-6, "{m:?}");
         assert!((m.bus_gbps - 40.0).abs() < 1e-6, "{m:?}");
+    }
+
+    #[test]
+    fn a_copy_fit_counts_every_byte() {
+        let truth = LinkModel {
+            latency_us: 8.0,
+            bus_gbps: 25.0,
+        };
+        let s: Vec<(u64, f64)> = [1u64 << 20, 1 << 24, 1 << 26]
+            .iter()
+            .map(|&b| (b, truth.copy_us(b)))
+            .collect();
+        let m = LinkModel::fit_copy(&s).unwrap();
+        assert!((m.latency_us - 8.0).abs() < 1e-6, "{m:?}");
+        assert!((m.bus_gbps - 25.0).abs() < 1e-6, "{m:?}");
+        assert_eq!(m.copy_us(0), 0.0);
+        // 64 MiB at 25 GB/s: 2.68 ms, whatever the world size
+        assert!((m.copy_us(1 << 26) - (8.0 + 67_108_864.0 / 25e3)).abs() < 1e-9);
     }
 
     #[test]
@@ -341,5 +401,22 @@ mod tests {
         assert_eq!(CostModel::from_json(&m.to_json()).unwrap(), m);
         let bad = r#"{"world":2,"allgather":{"latency_us":1,"bus_gbps":0},"reduce_scatter":{"latency_us":1,"bus_gbps":1}}"#;
         assert!(CostModel::from_json(bad).is_err());
+        // The host link: optional, kept through JSON, validated like the others.
+        assert!(!m.to_json().contains("host"), "no host link: not written");
+        let with_host = CostModel {
+            host: Some(LinkModel {
+                latency_us: 10.0,
+                bus_gbps: 20.0,
+            }),
+            ..m.clone()
+        };
+        assert_eq!(
+            CostModel::from_json(&with_host.to_json()).unwrap(),
+            with_host
+        );
+        assert_eq!(m.host_copy_us(1 << 20), 0.0);
+        assert!(with_host.host_copy_us(1 << 20) > 10.0);
+        let bad_host = r#"{"world":2,"allgather":{"latency_us":1,"bus_gbps":1},"reduce_scatter":{"latency_us":1,"bus_gbps":1},"host":{"latency_us":-1,"bus_gbps":1}}"#;
+        assert!(CostModel::from_json(bad_host).is_err());
     }
 }

@@ -112,6 +112,7 @@ impl Plan {
             "compute_us": self.sim.compute_us,
             "allgather_busy_us": self.sim.allgather_busy_us,
             "reduce_scatter_busy_us": self.sim.reduce_scatter_busy_us,
+            "host_copy_busy_us": self.sim.host_copy_busy_us,
             "peak_bytes": self.sim.peak_bytes,
         })
     }

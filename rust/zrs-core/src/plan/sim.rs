@@ -14,6 +14,11 @@
 //!   is taken, then it frees. A group allocates all its members at the issue point.
 //! - Exposed communication is `makespan - compute-stream busy time`: every idle gap of the
 //!   compute stream is a wait on a collective, and so is any collective tail after it.
+//! - Offload: a reduce-scatter with `host_bytes` is followed by its copy to the host on one copy
+//!   stream of its own, in the order the reduce-scatters end (the runtime issues each copy as
+//!   its reduce-scatter is waited for). The graph ends no earlier than its last copy (the
+//!   backward's end waits for them), so a copy tail is exposed too; the copies take no device
+//!   memory the graph accounts for.
 
 use serde::Serialize;
 
@@ -28,6 +33,8 @@ pub struct Problem<'a> {
     pub cost: CostModel,
     /// Duration of each node alone (collectives from the cost model unless given).
     pub dur: Vec<f64>,
+    /// Duration of each reduce-scatter's copy to the host (0: none).
+    pub host_dur: Vec<f64>,
 }
 
 impl<'a> Problem<'a> {
@@ -42,10 +49,16 @@ impl<'a> Problem<'a> {
                 (None, _) => 0.0,
             })
             .collect();
+        let host_dur = g
+            .nodes
+            .iter()
+            .map(|n| cost.host_copy_us(n.host_bytes))
+            .collect();
         Problem {
             g,
             cost: cost.clone(),
             dur,
+            host_dur,
         }
     }
 
@@ -86,6 +99,10 @@ pub struct SimResult {
     pub compute_us: f64,
     pub allgather_busy_us: f64,
     pub reduce_scatter_busy_us: f64,
+    /// Offload: the copy stream's busy time, and each reduce-scatter's copy (0 for none).
+    pub host_copy_busy_us: f64,
+    pub host_start_us: Vec<f64>,
+    pub host_end_us: Vec<f64>,
     pub peak_bytes: u64,
     /// Memory live after the last node.
     pub end_bytes: i64,
@@ -207,6 +224,11 @@ pub fn simulate_unchecked(
     let mut mem_t = Vec::with_capacity(cap);
     let mut mem_b = Vec::with_capacity(cap);
     let mut makespan = 0.0f64;
+    // Offload's copies to the host: one stream, in the reduce-scatters' order.
+    let mut host_start = vec![0.0f64; n];
+    let mut host_end = vec![0.0f64; n];
+    let mut host_free = 0.0f64;
+    let mut host_busy = 0.0f64;
     for &v in order {
         let vi = v as usize;
         if done[vi] {
@@ -268,6 +290,15 @@ pub fn simulate_unchecked(
             alloc = node.alloc;
             freed = node.free;
             makespan = makespan.max(en);
+            let copy = p.host_dur[vi];
+            if copy > 0.0 {
+                let hs = en.max(host_free);
+                host_start[vi] = hs;
+                host_end[vi] = hs + copy;
+                host_free = hs + copy;
+                host_busy += copy;
+                makespan = makespan.max(host_free);
+            }
         }
         cur += alloc as i64;
         peak = peak.max(cur);
@@ -288,6 +319,9 @@ pub fn simulate_unchecked(
         compute_us: compute,
         allgather_busy_us: busy[Stream::Allgather.index()],
         reduce_scatter_busy_us: busy[Stream::ReduceScatter.index()],
+        host_copy_busy_us: host_busy,
+        host_start_us: host_start,
+        host_end_us: host_end,
         peak_bytes: peak.max(0) as u64,
         end_bytes: cur,
         start_us: start,
@@ -329,4 +363,89 @@ pub fn recount_peak(g: &Graph, order: &[u32], groups: &[Vec<u32>]) -> u64 {
         cur -= f as i64;
     }
     peak.max(0) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::cost::LinkModel;
+    use crate::plan::graph::{GraphSpec, NodeKind, NodeSpec};
+
+    /// Two layers' backward: each computes a gradient and reduce-scatters it (with offload,
+    /// copying `host_bytes` of it to the host after).
+    fn backward(host_bytes: u64) -> Graph {
+        let mut s = GraphSpec::default();
+        let mut prev = Vec::new();
+        for l in 0..2 {
+            let op = s.push(NodeSpec {
+                deps: prev.clone(),
+                duration_us: Some(100.0),
+                ..NodeSpec::new(format!("grad{l}"), NodeKind::Compute)
+            }) as usize;
+            s.push(NodeSpec {
+                deps: vec![op],
+                ds_id: Some(l),
+                bytes: 1 << 20,
+                host_bytes,
+                ..NodeSpec::new(format!("rs{l}"), NodeKind::ReduceScatter)
+            });
+            prev = vec![op];
+        }
+        Graph::new(s).unwrap()
+    }
+
+    fn cost(host: Option<LinkModel>) -> CostModel {
+        CostModel {
+            host,
+            ..CostModel::nvlink(2)
+        }
+    }
+
+    const HOST: LinkModel = LinkModel {
+        latency_us: 10.0,
+        bus_gbps: 1.0, // 1 MB in 1000 us: longer than the backward's compute
+    };
+
+    #[test]
+    fn host_copies_follow_their_reduce_scatters_on_one_stream() {
+        let g = backward(1_000_000);
+        let order: Vec<u32> = (0..g.len() as u32).collect();
+        let plain = simulate(&Problem::new(&g, &cost(None)), &order, &[]).unwrap();
+        assert_eq!(plain.host_copy_busy_us, 0.0, "no host link: no copies");
+        let p = Problem::new(&g, &cost(Some(HOST)));
+        let r = simulate(&p, &order, &[]).unwrap();
+        let (rs0, rs1) = (1, 3);
+        assert_eq!(
+            r.host_start_us[rs0], r.end_us[rs0],
+            "issued as its reduce-scatter ends"
+        );
+        assert!((r.host_end_us[rs0] - r.host_start_us[rs0] - 1010.0).abs() < 1e-9);
+        // the second waits for the first (one copy stream), though its reduce-scatter ended
+        assert_eq!(r.host_start_us[rs1], r.host_end_us[rs0]);
+        assert_eq!(
+            r.makespan_us, r.host_end_us[rs1],
+            "the graph ends after its last copy"
+        );
+        assert!((r.host_copy_busy_us - 2020.0).abs() < 1e-9);
+        assert!(
+            r.exposed_comm_us > plain.exposed_comm_us + 1000.0,
+            "the copy tail is exposed"
+        );
+        assert_eq!(
+            (r.start_us.clone(), r.peak_bytes),
+            (plain.start_us, plain.peak_bytes)
+        );
+    }
+
+    #[test]
+    fn host_bytes_belong_to_reduce_scatters_only() {
+        let mut s = GraphSpec::default();
+        s.push(NodeSpec {
+            duration_us: Some(1.0),
+            host_bytes: 8,
+            ..NodeSpec::new("mm", NodeKind::Compute)
+        });
+        let err = Graph::new(s).unwrap_err().to_string();
+        assert!(err.contains("only a reduce_scatter"), "{err}");
+    }
 }

@@ -15,8 +15,11 @@ pub fn memory_series(plan: &Plan) -> Vec<(f64, i64)> {
         .collect()
 }
 
-/// One complete ("X") event per node (one per fused bucket), one thread per stream, and a
-/// counter ("C") track of live memory.
+/// The thread of offload's copies to the host, after the streams'.
+const HOST_COPY_TID: usize = Stream::ALL.len();
+
+/// One complete ("X") event per node (one per fused bucket), one thread per stream (and one for
+/// offload's copies to the host, if any), and a counter ("C") track of live memory.
 pub fn chrome_trace(g: &Graph, plan: &Plan) -> Value {
     let pid = 0;
     let mut ev: Vec<Value> = Vec::with_capacity(g.len() + plan.sim.mem_t_us.len() + 8);
@@ -25,6 +28,11 @@ pub fn chrome_trace(g: &Graph, plan: &Plan) -> Value {
     for s in Stream::ALL {
         ev.push(json!({"ph": "M", "pid": pid, "tid": s.index(), "name": "thread_name", "args": {"name": s.as_str()}}));
         ev.push(json!({"ph": "M", "pid": pid, "tid": s.index(), "name": "thread_sort_index", "args": {"sort_index": s.index()}}));
+    }
+    if plan.sim.host_copy_busy_us > 0.0 {
+        let tid = HOST_COPY_TID;
+        ev.push(json!({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": "host_copy"}}));
+        ev.push(json!({"ph": "M", "pid": pid, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}}));
     }
     let n = g.len();
     let mut group_of = vec![NONE; n];
@@ -73,6 +81,14 @@ pub fn chrome_trace(g: &Graph, plan: &Plan) -> Value {
             json!({"ph": "X", "pid": pid, "tid": node.stream.index(), "ts": ts, "dur": te - ts,
             "name": g.names[vi], "cat": node.kind.as_str(), "args": args}),
         );
+        let (hs, he) = (plan.sim.host_start_us[vi], plan.sim.host_end_us[vi]);
+        if he > hs {
+            ev.push(
+                json!({"ph": "X", "pid": pid, "tid": HOST_COPY_TID, "ts": hs, "dur": he - hs,
+                "name": format!("{} to host", g.names[vi]), "cat": "host_copy",
+                "args": {"bytes": node.host_bytes}}),
+            );
+        }
     }
     for (t, b) in memory_series(plan) {
         ev.push(json!({"ph": "C", "pid": pid, "name": "memory", "ts": t, "args": {"bytes": b}}));
@@ -84,6 +100,7 @@ pub fn chrome_trace(g: &Graph, plan: &Plan) -> Value {
             "scheduler": plan.scheduler,
             "makespan_us": plan.sim.makespan_us,
             "exposed_comm_us": plan.sim.exposed_comm_us,
+            "host_copy_busy_us": plan.sim.host_copy_busy_us,
             "peak_bytes": plan.sim.peak_bytes,
             "budget_bytes": plan.budget_bytes,
         }

@@ -69,6 +69,13 @@ impl Graph {
             indeg[i] = (k - start) as u32;
             dep_off.push(dep_idx.len() as u32);
             names.push(ns.name.clone());
+            if ns.host_bytes > 0 && ns.kind != NodeKind::ReduceScatter {
+                return Err(Error::Invalid(format!(
+                    "node '{}' (#{i}) copies host_bytes to the host, but only a reduce_scatter \
+                     does",
+                    ns.name
+                )));
+            }
             let alloc = match ns.alloc_bytes {
                 Some(a) => a,
                 None if ns.kind == NodeKind::Allgather => ns.bytes,
@@ -90,6 +97,7 @@ impl Graph {
                 ds_id: ns.ds_id,
                 bytes: ns.bytes,
                 dtype,
+                host_bytes: ns.host_bytes,
             });
         }
         // Users (CSR).
@@ -247,6 +255,7 @@ impl Graph {
                         ds_id: n.ds_id,
                         bytes: n.bytes,
                         dtype: n.dtype.map(|k| self.dtypes[k as usize].clone()),
+                        host_bytes: n.host_bytes,
                     }
                 })
                 .collect(),

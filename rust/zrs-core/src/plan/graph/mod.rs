@@ -51,6 +51,8 @@ pub struct Node {
     pub bytes: u64,
     /// Index into [`Graph::dtypes`] of the gathered dtype, if the IR named one.
     pub dtype: Option<u32>,
+    /// Bytes copied to the host after a reduce-scatter (offload), 0 for none.
+    pub host_bytes: u64,
 }
 
 /// A validated, indexed graph: deps and users in CSR form, a topological order, and for every

@@ -94,6 +94,14 @@ pub struct NodeSpec {
     /// The dtype an all-gather gathers to: only gathers of one dtype fuse.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dtype: Option<String>,
+    /// Bytes this rank copies to the host once a reduce-scatter is done (offload: its shard of
+    /// the reduced gradient, for the host optimizer); 0 for none.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub host_bytes: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 impl NodeSpec {
@@ -109,6 +117,7 @@ impl NodeSpec {
             ds_id: None,
             bytes: 0,
             dtype: None,
+            host_bytes: 0,
         }
     }
 }

@@ -2,7 +2,8 @@
 gradient accumulation and clipping against the unsharded reference; save_state, then load_state
 at the same world size (the run continues bit for bit) and at another (every rank holds the saved
 rows of the weights and of the optimizer's momentum); for both of zrs's state dict types, full
-tensors in Accelerate's files and torch.distributed.checkpoint folders."""
+tensors in Accelerate's files and torch.distributed.checkpoint folders, and with offload (the
+step on the host, the clip of host gradients)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ pytestmark = pytest.mark.slow
 MODEL = "gpt_tied"  # a tied head: two keys of one tensor in the saved weights
 ACCUMULATE, STEPS, SAVE_AFTER, MAX_NORM = 2, 3, 1, 0.5
 RTOL, ATOL = 1e-5, 1e-6
-TYPES = ("full", "sharded")
+# zrs's state dict types; "-offload": the model with offload="optimizer"
+TYPES = ("full", "sharded", "full-offload")
 
 
 def _micro_batches(spec: ZooModel, world: int) -> ZooModel:
@@ -37,10 +39,12 @@ def _micro_batches(spec: ZooModel, world: int) -> ZooModel:
     return dataclasses.replace(spec, batch=batch)
 
 
-def _prepared(spec: ZooModel, state_dict_type: str):
+def _prepared(spec: ZooModel, kind: str):
     from zrs.trainers.accelerate import Accelerator
 
-    model = zrs.shard(spec.build())
+    state_dict_type = kind.removesuffix("-offload")
+    offload = "optimizer" if state_dict_type != kind else None
+    model = zrs.shard(spec.build(), offload=offload)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     accelerator = Accelerator(
         cpu=True, gradient_accumulation_steps=ACCUMULATE, state_dict_type=state_dict_type

@@ -2,7 +2,8 @@
 Trainer trains the unsharded model under DDP (gradient accumulation and clipping included), its
 checkpoint resumes the run bit for bit, and loaded at another world size it gives every rank the
 saved weights and optimizer state. The same with sharded checkpoints (`state_dict_type="sharded"`,
-torch.distributed.checkpoint folders)."""
+torch.distributed.checkpoint folders), and with offload="optimizer" (the SGD step on the host,
+Trainer's clip on host gradients)."""
 
 from __future__ import annotations
 
@@ -92,6 +93,16 @@ def _runs(rank: int, world: int, root: str) -> dict:
     trainer = _trainer(resumed, root, "zrs", sharded=True)
     trainer.train(resume_from_checkpoint=os.path.join(root, "zrs", f"checkpoint-{SAVE_AT}"))
     out["resumed"] = zrs.full_state_dict(resumed)
+    for run in ("offload", "offload_resumed"):
+        model = zrs.shard(spec.build(), offload="optimizer")
+        trainer = _trainer(model, root, "offload", sharded=True)
+        resume = (
+            os.path.join(root, "offload", f"checkpoint-{SAVE_AT}")
+            if run == "offload_resumed"
+            else None
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        out[run] = zrs.full_state_dict(model)
     for run in ("dcp", "dcp_resumed"):
         model = zrs.shard(spec.build())
         trainer = _trainer(model, root, "dcp", sharded=True, state_dict_type="sharded")
@@ -137,6 +148,18 @@ def test_trains_as_trainer_trains_the_unsharded_model_under_ddp(runs):
         assert torch.allclose(zrs_final[key], value, rtol=1e-5, atol=1e-6), key
     assert not torch.equal(zrs_final["transformer.h.0.mlp.c_fc.weight"],
                            spec_of(MODEL).build().state_dict()["transformer.h.0.mlp.c_fc.weight"])  # fmt: skip
+
+
+def test_offloaded_it_trains_as_ddp_and_resumes_exactly(runs):
+    """offload="optimizer": Trainer's optimizer steps on the host (zrs-core's SGD, torch's order
+    of operations) after its clip of the host gradients; its checkpoint resumes the run."""
+    per_rank, _ = runs
+    ddp = per_rank[0]["ddp"]
+    for rank, r in enumerate(per_rank):
+        for key, value in ddp.items():
+            assert torch.allclose(r["offload"][key], value, rtol=1e-5, atol=1e-6), (rank, key)
+        for key, value in r["offload"].items():
+            assert torch.equal(r["offload_resumed"][key], value), f"rank {rank}: {key}"
 
 
 def test_a_checkpoint_resumes_the_run_exactly(runs):

@@ -157,7 +157,7 @@ def _load_adapter_runs(rank: int, world: int, saved: str, device: str) -> dict:
 LIGHTNING_MODEL, STEPS, SAVE_AT = "hf_gpt2", 4, 2
 
 
-def lightning_module(shard: bool):
+def lightning_module(shard: bool, offload: bool = False):
     import lightning.pytorch as pl
 
     class Module(pl.LightningModule):
@@ -170,7 +170,7 @@ def lightning_module(shard: bool):
                 return
             torch.manual_seed(0)
             net = spec_of(LIGHTNING_MODEL).build()
-            self.net = zrs.shard(net) if shard else net
+            self.net = zrs.shard(net, offload="optimizer" if offload else None) if shard else net
 
         def training_step(self, batch: torch.Tensor, index: int) -> torch.Tensor:
             return self.net(input_ids=batch, labels=batch).loss
@@ -212,14 +212,22 @@ def _momenta(module) -> list[torch.Tensor]:
 
 
 def lightning_runs(rank: int, world: int, root: str, device: str) -> dict:
-    """DDP uninterrupted, saved at SAVE_AT and resumed; zrs the same; a data-parallel size of 1."""
+    """DDP uninterrupted, saved at SAVE_AT and resumed; zrs the same, and with offload; a
+    data-parallel size of 1."""
     from zrs.trainers.lightning import Strategy
 
     as_torchrun(rank, world)
     out: dict = {}
 
-    def fit(shard: bool, steps: int, strategy, save: str | None = None, resume: str | None = None):
-        module = lightning_module(shard)
+    def fit(
+        shard: bool,
+        steps: int,
+        strategy,
+        save: str | None = None,
+        resume: str | None = None,
+        offload: bool = False,
+    ):
+        module = lightning_module(shard, offload)
         trainer = _trainer(world, steps, strategy, device)
         trainer.fit(module, _loader(), ckpt_path=resume and os.path.join(root, resume))
         if save is not None:
@@ -235,6 +243,7 @@ def lightning_runs(rank: int, world: int, root: str, device: str) -> dict:
     fit(False, SAVE_AT, "ddp", save="ddp.ckpt")
     out["ddp_resumed"] = weights(fit(False, STEPS, "ddp", resume="ddp.ckpt"))
     out["zrs"] = weights(fit(True, STEPS, Strategy()))
+    out["offload"] = weights(fit(True, STEPS, Strategy(), offload=True))
     first = fit(True, SAVE_AT, Strategy(), save="ckpt")
     out["at_save"] = {"weights": weights(first), "momenta": _momenta(first)}
     out["resumed"] = weights(fit(True, STEPS, Strategy(), resume="ckpt"))
@@ -334,6 +343,7 @@ def check_lightning_training(
     """zrs trained and resumed as DDP did: DDP of the same run, or of `reference` (a CPU run)."""
     reference = first if reference is None else reference
     close(first["zrs"], reference["ddp"], rtol, atol)
+    close(first["offload"], reference["ddp"], rtol, atol)  # the step on the host
     initial = lightning_module(shard=False)
     initial.configure_model()
     assert any(not torch.equal(v, first["zrs"][k]) for k, v in initial.net.state_dict().items()), (

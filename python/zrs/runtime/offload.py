@@ -200,10 +200,33 @@ class Offload:
             if not any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
                 return  # another model's optimizer: no hook that would hold this one
             self.hooks[optimizer] = optimizer.register_step_pre_hook(
-                lambda opt, *_: self.step(opt, handles)
+                lambda opt, args, kwargs: self._pre_step(opt, handles, args, kwargs)
             )
         else:
             hooks.move_to_end(handle.id)
+
+    def _pre_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        handles: list[ParamHandle],
+        args: tuple,
+        kwargs: dict,
+    ) -> tuple[tuple, dict] | None:
+        """The pre-hook: `step`, after the closure if the step was given one. torch calls a
+        closure inside `step()`, after the pre-hooks (Lightning passes its forward and backward
+        so): the update needs the gradients it makes, so the closure runs here, first, and torch's
+        step gets one that returns its loss. `args` starts with the optimizer (torch's)."""
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self.step(optimizer, handles)
+            return None
+        with torch.enable_grad():
+            loss = closure()
+        self.step(optimizer, handles)
+        ran = lambda: loss  # noqa: E731  (the closure torch calls now)
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": ran}
+        return (args[0], ran, *args[2:]), kwargs
 
     def step(self, optimizer: torch.optim.Optimizer, handles: list[ParamHandle]) -> None:
         """Update on the host every parameter of `handles` that `optimizer` steps and that has

@@ -1,7 +1,8 @@
 //! Property tests of the planner on random DAGs: every plan is a permutation, topologically
 //! valid, within the budget (or a BudgetInfeasible error naming a feasible minimum), never slower
 //! than greedy, the simulator's peak equals a direct recount, and every fused group is one the
-//! runtime can issue (one gathered dtype, each parameter once, at least two members).
+//! runtime can issue (one gathered dtype, each parameter once, at least two members), and
+//! offload's copies to the host follow their reduce-scatters on one stream and end the graph.
 
 use proptest::prelude::*;
 use zrs_core::plan::sim::{recount_peak, validate};
@@ -107,6 +108,7 @@ fn random_graph(seed: u64, n_compute: usize) -> GraphSpec {
                 deps: vec![c],
                 bytes: 1 + r.below(1000),
                 free_bytes: Some(r.below(100)),
+                host_bytes: if r.chance(50) { 1 + r.below(500) } else { 0 },
                 ..NodeSpec::new(format!("rs{i}"), NodeKind::ReduceScatter)
             });
         }
@@ -166,9 +168,18 @@ fn random_plan(g: &Graph, seed: u64) -> (Vec<u32>, Vec<Vec<u32>>) {
     (order, groups)
 }
 
+/// The NVLink preset, slow links, or slow links with a slow host link (offload's copies).
 fn cost(seed: u64) -> CostModel {
-    if seed.is_multiple_of(2) {
+    if seed.is_multiple_of(3) {
         CostModel::nvlink(2)
+    } else if seed % 3 == 2 {
+        CostModel {
+            host: Some(LinkModel {
+                latency_us: 5.0,
+                bus_gbps: 0.002,
+            }),
+            ..cost(1)
+        }
     } else {
         CostModel {
             name: "test".into(),
@@ -246,6 +257,35 @@ proptest! {
             }
         }
         prop_assert!((sim.makespan_us - sim.compute_us - sim.exposed_comm_us).abs() < 1e-6);
+    }
+
+    #[test]
+    fn host_copies_follow_their_reduce_scatters_and_end_the_graph(seed in any::<u64>(), n in 1usize..40) {
+        let g = Graph::new(random_graph(seed, n)).unwrap();
+        let with_host = cost(3 * (seed / 3) + 2);
+        let without = CostModel { host: None, ..with_host.clone() };
+        let (order, groups) = random_plan(&g, seed);
+        let sim = simulate(&Problem::new(&g, &with_host), &order, &groups).unwrap();
+        let plain = simulate(&Problem::new(&g, &without), &order, &groups).unwrap();
+        // The copies change no node's time and no memory; the graph ends after the last.
+        prop_assert_eq!(&sim.start_us, &plain.start_us);
+        prop_assert_eq!(sim.peak_bytes, plain.peak_bytes);
+        let mut copies: Vec<usize> = (0..g.len())
+            .filter(|&v| g.nodes[v].host_bytes > 0)
+            .collect();
+        copies.sort_by(|&a, &b| sim.host_start_us[a].total_cmp(&sim.host_start_us[b]));
+        let mut busy = 0.0;
+        for (k, &v) in copies.iter().enumerate() {
+            prop_assert!(sim.host_start_us[v] >= sim.end_us[v] - 1e-9, "before its reduce-scatter");
+            if k > 0 {
+                prop_assert!(sim.host_start_us[v] >= sim.host_end_us[copies[k - 1]] - 1e-9, "two copies at once");
+            }
+            prop_assert!(sim.makespan_us >= sim.host_end_us[v] - 1e-9);
+            busy += sim.host_end_us[v] - sim.host_start_us[v];
+        }
+        prop_assert!((sim.host_copy_busy_us - busy).abs() < 1e-6);
+        prop_assert!(sim.makespan_us >= plain.makespan_us - 1e-9);
+        prop_assert_eq!(plain.host_copy_busy_us, 0.0);
     }
 }
 

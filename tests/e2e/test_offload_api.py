@@ -365,6 +365,30 @@ def test_what_the_overlapped_step_refuses():
         with pytest.raises(zrs.ZrsError, match="accumulation_steps must be a positive int"):
             zrs.OverlappedStep(opt, accumulation_steps=bad)
 
+    # One norm a model: two models under one optimizer cannot clip together (nothing installed).
+    first, second = _offloaded(_model(), "shard"), _offloaded(_model(), "shard")
+    both = torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.1)
+    with pytest.raises(zrs.ZrsError, match="steps 2 zrs models"):
+        zrs.OverlappedStep(both, max_norm=1.0)
+    assert first._zrs_state.offload.overlap is None and second._zrs_state.offload.overlap is None
+
+    # A gradient the last backward did not reach was left out of the norm: refused.
+    class Branches(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(6, 3), nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor, both: bool) -> torch.Tensor:
+            return self.a(x) + self.b(x) if both else self.a(x)
+
+    model = _offloaded(Branches(), "shard")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = zrs.OverlappedStep(opt, max_norm=1.0, accumulation_steps=2)
+    for micro, both in enumerate((True, False)):
+        model(_batch(micro), both).square().mean().backward()
+    with pytest.raises(zrs.ZrsError, match=r"`b\.weight` has a gradient that the step's last"):
+        step()
+
     with pytest.raises(zrs.ZrsError, match=r'offload="optimizer"'):
         zrs.OverlappedStep(torch.optim.AdamW(zrs.shard(_model()).parameters()))
 

@@ -235,14 +235,23 @@ class Offload:
         if self.overlap is not None and self.overlap.stepped_by(optimizer):
             stepped = self.overlap.finish()  # updated during the backward
         by_param = {id(h.param): h for h in handles if h.compute is not None}
-        mine = []
+        mine, done = [], []
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if id(p) in stepped:
-                    self.hidden[id(p)] = (p, p.grad)
-                    p.grad = None
+                    done.append(p)
                 elif id(p) in by_param and p.grad is not None:
                     mine.append((group, p))
+        if mine and stepped and self.overlap is not None and self.overlap.max_norm is not None:
+            raise ZrsError(
+                f"zrs.OverlappedStep(max_norm=...): `{by_param[id(mine[0][1])].name}` has a "
+                "gradient that the step's last backward did not reach (an earlier micro-batch "
+                "or a gradient set by hand), which its global norm left out. Clip with "
+                "torch.nn.utils.clip_grad_norm_ and call optimizer.step() instead"
+            )
+        for p in done:
+            self.hidden[id(p)] = (p, p.grad)
+            p.grad = None
         if not mine:
             return
         self.arrive()

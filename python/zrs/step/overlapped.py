@@ -63,22 +63,30 @@ class OverlappedStep:
             )
         host_step.check_supported(optimizer)
         ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        states = [s for s in LIVE.models() if any(id(h.param) in ids for h in s.handles)]
+        # Checked before any model's updates move into its backward.
+        if not states:
+            raise ZrsError("OverlappedStep: the optimizer steps no parameter of a zrs model")
+        if any(s.offload is None for s in states):
+            raise ZrsError(
+                "OverlappedStep runs the optimizer's host update during the backward, but "
+                "this optimizer steps a model sharded without offload. Prepare it with "
+                'offload="optimizer" (zrs.shard or zrs.compile), or call optimizer.step()'
+            )
+        if max_norm is not None and len(states) > 1:
+            # Each model's backward ends on its own, and so would each one's norm.
+            raise ZrsError(
+                "OverlappedStep(max_norm=...) clips by one model's global norm, but this "
+                f"optimizer steps {len(states)} zrs models. Give each model an optimizer of its "
+                "own, or clip with torch.nn.utils.clip_grad_norm_ and call optimizer.step()"
+            )
         self.optimizer = optimizer
         self.overlaps: list[Overlap] = []
-        for state in LIVE.models():
-            if not any(id(h.param) in ids for h in state.handles):
-                continue
-            if state.offload is None:
-                raise ZrsError(
-                    "OverlappedStep runs the optimizer's host update during the backward, but "
-                    "this optimizer steps a model sharded without offload. Prepare it with "
-                    'offload="optimizer" (zrs.shard or zrs.compile), or call optimizer.step()'
-                )
+        for state in states:
+            assert state.offload is not None
             timeout = state.timeout.total_seconds()
             overlap = state.offload.overlap_with(optimizer, max_norm, accumulation_steps, timeout)
             self.overlaps.append(overlap)
-        if not self.overlaps:
-            raise ZrsError("OverlappedStep: the optimizer steps no parameter of a zrs model")
 
     @property
     def skipped_steps(self) -> int:

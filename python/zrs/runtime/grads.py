@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from zrs.runtime import streams
 from zrs.runtime.collectives import reduce_scatter
 from zrs.runtime.grad_store import Key
-from zrs.runtime.handles import ParamHandle, handles, names
+from zrs.runtime.handles import ParamHandle, handles, local_tensor, names
 from zrs.runtime.state import ZeroState
 
 # Gradient buckets hold at most this many elements (per rank, all shards together); the
@@ -225,7 +225,7 @@ def accumulate_grad(h: ParamHandle, flat: torch.Tensor) -> None:
     grad = param.grad
     if grad is not None:
         # accumulation across micro-batches (add_ casts); with offload, once the copy arrives
-        into = grad._local_tensor if isinstance(grad, DTensor) else grad
+        into = local_tensor(grad)
         if offload is None:
             into.add_(local)
         else:

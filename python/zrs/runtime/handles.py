@@ -95,8 +95,7 @@ class ParamHandle:
         """The counters an in-place write to the master moves: the flat shard's and, since a
         write through the DTensor parameter moves neither the shard's nor its local tensor's
         (the op runs below autograd), the parameter's own and its local tensor's."""
-        local = self.param._local_tensor if isinstance(self.param, DTensor) else self.param
-        return (self.shard._version, self.param._version, local._version)
+        return (self.shard._version, self.param._version, local_tensor(self.param)._version)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -107,6 +106,11 @@ class ParamHandle:
     def source(self) -> torch.Tensor:
         """What the eager path's gathers read: the device copy with offload, else the shard."""
         return self.shard if self.compute is None else self.compute
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (the storage an in-place write reaches), or `t` itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 class Live:

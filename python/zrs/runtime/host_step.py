@@ -92,6 +92,7 @@ def update(
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
+    # handles.local_tensor's twin: this module sits a tier below handles (the runtime's DAG)
     return t._local_tensor if isinstance(t, DTensor) else t
 
 

@@ -30,11 +30,10 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from zrs._core import ZrsError
 from zrs.runtime import host_step
-from zrs.runtime.handles import ParamHandle
+from zrs.runtime.handles import ParamHandle, local_tensor
 from zrs.runtime.host_optim import HostOptimizer
 
 # The hyperparameters an update reads: the step checks that none changed after it ran.
@@ -150,7 +149,7 @@ class Overlap:
         if self.max_norm is None:
             self.released.set()
             return
-        grads = [_local(j.grad) for j in self.jobs.values()]
+        grads = [local_tensor(j.grad) for j in self.jobs.values()]
         # A 0-d parameter is replicated: each rank holds the whole of it, counted once.
         weights = [1.0 if j.h.shape else 1.0 / world_size for j in self.jobs.values()]
         squares = torch.zeros((), dtype=torch.float64)
@@ -301,12 +300,8 @@ def _work(overlap: weakref.ref[Overlap], jobs: queue.SimpleQueue[Job | None]) ->
         del alive, job  # nothing of the model held while waiting
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 def _versions(grad: torch.Tensor) -> tuple[int, int]:
-    return (grad._version, _local(grad)._version)
+    return (grad._version, local_tensor(grad)._version)
 
 
 def _read(group: dict) -> tuple:

@@ -26,9 +26,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zrs._core import ZrsError
 from zrs.runtime.grad_store import GradStore
-from zrs.runtime.handles import LIVE
+from zrs.runtime.handles import LIVE, local_tensor
 from zrs.runtime.state import ZeroState
-from zrs.step.replay import MAX_RECAPTURES, Hyperparameters, _local, replay_with_hooks
+from zrs.step.replay import MAX_RECAPTURES, Hyperparameters, replay_with_hooks
 from zrs.step.replay_watch import ReplayWatch, close_before_destroy, nccl_backends
 
 _log = logging.getLogger("zrs")
@@ -376,10 +376,10 @@ def _held(entry: Graph) -> Hashable:
     for opt in (f.optimizer for f in entry.optimizers):
         for group in opt.param_groups:
             for p in group["params"]:
-                out.append(_local(p).data_ptr())
+                out.append(local_tensor(p).data_ptr())
                 for v in opt.state.get(p, {}).values():
                     if isinstance(v, torch.Tensor):
-                        out.append(_local(v).data_ptr())
+                        out.append(local_tensor(v).data_ptr())
     return tuple(out)
 
 

@@ -25,8 +25,8 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from zrs._core import ZrsError
 from zrs.runtime.grad_store import GradStore
-from zrs.runtime.handles import LIVE
-from zrs.step.replay import MAX_RECAPTURES, Hyperparameters, _local, replay_with_hooks
+from zrs.runtime.handles import LIVE, local_tensor
+from zrs.step.replay import MAX_RECAPTURES, Hyperparameters, replay_with_hooks
 
 _log = logging.getLogger("zrs")
 
@@ -115,7 +115,7 @@ class GraphedStep:
         params = list(self._params())
         if not params:
             raise ZrsError("GraphedStep: the optimizer has no parameters that require grad")
-        device = _local(params[0]).device
+        device = local_tensor(params[0]).device
         self.graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.graphs and device.type != "cuda":
             raise ZrsError(f"cuda_graphs=True needs CUDA parameters; these are on {device}")
@@ -218,7 +218,7 @@ class GraphedStep:
                 norm = norm.full_tensor()
         elif self.max_norm is not None:  # as clip_grads_with_norm_, on the local shards
             coef = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
-            torch._foreach_mul_([_local(p.grad) for p in params], coef)
+            torch._foreach_mul_([local_tensor(p.grad) for p in params], coef)
         self.norm.copy_(norm)
         self.found_inf.copy_(norm.isfinite().logical_not())
         self.skipped.add_(self.found_inf.to(torch.int64))
@@ -287,7 +287,7 @@ class GraphedStep:
             replays.append(graph.replay)
         self.graph = replays
         self.captured = [
-            (p, _local(p.grad).data_ptr()) for p in self._params() if p.grad is not None
+            (p, local_tensor(p.grad).data_ptr()) for p in self._params() if p.grad is not None
         ]
         self._replay_parts()  # capture only recorded the step: run it
 
@@ -306,7 +306,7 @@ class GraphedStep:
         if len(with_grad) != len(self.captured):
             return False
         return all(
-            p is q and _local(p.grad).data_ptr() == ptr
+            p is q and local_tensor(p.grad).data_ptr() == ptr
             for p, (q, ptr) in zip(with_grad, self.captured, strict=True)
         )
 
@@ -325,13 +325,13 @@ def _norm_pools(params: list[torch.Tensor]) -> list[tuple[Any, list[torch.Tensor
     for p in params:
         grad = p.grad
         if not isinstance(grad, DTensor) or grad.device_mesh.size() == 1:
-            pools.setdefault(None, []).append(_local(grad))
+            pools.setdefault(None, []).append(local_tensor(grad))
             continue
         mesh, placements = grad.device_mesh, grad.placements
         if all(isinstance(pl, Replicate) for pl in placements):
-            pools.setdefault(None, []).append(_local(grad))
+            pools.setdefault(None, []).append(local_tensor(grad))
         elif mesh.ndim == 1 and isinstance(placements[0], Shard):
-            pools.setdefault(mesh, []).append(_local(grad))
+            pools.setdefault(mesh, []).append(local_tensor(grad))
         else:
             raise ZrsError(
                 "zrs.GraphedStep clips gradients that are sharded over one mesh dimension (as "

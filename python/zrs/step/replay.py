@@ -8,7 +8,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import (
     _global_optimizer_post_hooks,
     _global_optimizer_pre_hooks,
@@ -68,10 +67,6 @@ class Hyperparameters:
                 f"({len(self.fixed)} then {len(now)}); build a new {self.who} after "
                 "add_param_group"
             )
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _equal(a: object, b: object) -> bool:

@@ -105,8 +105,11 @@ def _guarded_apply(base: type) -> Callable[..., nn.Module]:
         for name in sharded:
             param = self._parameters[name]
             applied = fn(param)
+            # With offload the master stays on the host by design: the model's device is its
+            # compute device (Lightning moves every model there after configure_model).
+            home = handles.handle(self._zrs_params[name][0]).source.device
             if applied is not param and (
-                applied.device != param.device or applied.dtype != param.dtype
+                applied.device not in (param.device, home) or applied.dtype != param.dtype
             ):
                 raise ZrsError(
                     f"cannot move or cast {type(self).__name__}.{name} ({param.dtype} on "

@@ -40,6 +40,8 @@ Systems:
   zrs_offload      the same with offload="optimizer": fp32 masters and AdamW on the host
   zrs_offload_overlap
                    the same, its AdamW updates run during the backward (zrs.OverlappedStep)
+  zrs_params_overlap
+                   the same with offload="params": the bf16 shards on the host too
   fsdp2_eager      fully_shard per block and on the root, MixedPrecisionPolicy(bf16, fp32)
   fsdp2_compile    the same with each block torch.compile'd (fullgraph), as torchtitan does
   single           one GPU (rank 0 only), unsharded bf16 parameters, whole model compiled: the

@@ -2,7 +2,7 @@
 piece of the registry (system name -> builder):
 
   zrs.py         zrs, zrs_graphed, zrs_captured, zrs_eager, zrs_shard_compile, zrs_offload,
-                 zrs_offload_overlap
+                 zrs_offload_overlap, zrs_params_overlap
   fsdp2.py       fsdp2_eager, fsdp2_compile
   single.py      single, single_amp (the one-GPU bounds)
   deepspeed.py   deepspeed_zero3, deepcompile, deepspeed_offload (only where deepspeed imports;
@@ -29,7 +29,12 @@ ALL_SYSTEMS = tuple(BUILDERS)
 
 
 # Asked for by name only: the optimizer on the host is another comparison (issue 37).
-OFFLOAD_SYSTEMS = ("zrs_offload", "zrs_offload_overlap", "deepspeed_offload")
+OFFLOAD_SYSTEMS = (
+    "zrs_offload",
+    "zrs_offload_overlap",
+    "zrs_params_overlap",
+    "deepspeed_offload",
+)
 
 
 def default_systems() -> list[str]:

@@ -1,8 +1,9 @@
 """The zrs systems: zrs (zrs.compile), zrs_graphed (its AdamW step one CUDA graph, zrs.GraphedStep),
 zrs_captured (the whole step one CUDA graph, zrs.CapturedStep), zrs_eager (zrs.shard, no
 torch.compile), zrs_shard_compile (zrs.shard with each layer compiled), zrs_offload (the same,
-the masters and the AdamW step on the host) and zrs_offload_overlap (that step run during the
-backward, zrs.OverlappedStep); their builder, their piece of the registry, and the
+the masters and the AdamW step on the host), zrs_offload_overlap (that step run during the
+backward, zrs.OverlappedStep) and zrs_params_overlap (that, with the bf16 shards on the host
+too: offload="params"); their builder, their piece of the registry, and the
 zrs.compile ones' record fields."""
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ def build_zrs(
     graphed: bool = False,
     captured: bool = False,
     compiled_layers: bool = False,
-    offload: bool = False,
+    offload: str | None = None,
     overlap: bool = False,
 ) -> Built:
     """zrs.compile (the --zrs-* options are its), or zrs.shard: the same sharding, trained
     eagerly by module hooks (`compiled_layers`: each layer's forward compiled by inductor). `graphed`: the optimizer step replayed as a CUDA graph
     (zrs.GraphedStep, without clipping or the non-finite check, as the other systems step).
     `captured`: also the forward and backward, the whole step one graph (zrs.CapturedStep).
-    `offload`: zrs.shard(offload="optimizer"), the AdamW step on the host (not fused there);
+    `offload`: zrs.shard(offload=...), the AdamW step on the host (not fused there);
     `overlap`: run by zrs.OverlappedStep during the backward."""
     import zrs
 
@@ -56,8 +57,7 @@ def build_zrs(
             dynamic=True if ctx.args.zrs_dynamic else None,
         )
     else:
-        offloaded = {"offload": "optimizer"} if offload else {}
-        model = zrs.shard(model, **common, compile=compiled_layers, **offloaded)
+        model = zrs.shard(model, **common, compile=compiled_layers, offload=offload)
     graphed = graphed or captured
     opt = adamw(model.parameters(), ctx, fused=True if graphed else False if offload else None)
     stepper = zrs.GraphedStep(opt, check_finite=False) if graphed else None
@@ -89,9 +89,14 @@ BUILDERS: dict[str, Callable[[Ctx], Built]] = {
     "zrs_captured": lambda ctx: build_zrs(ctx, compiled=True, captured=True),
     "zrs_eager": lambda ctx: build_zrs(ctx, compiled=False),
     "zrs_shard_compile": lambda ctx: build_zrs(ctx, compiled=False, compiled_layers=True),
-    "zrs_offload": lambda ctx: build_zrs(ctx, compiled=False, compiled_layers=True, offload=True),
+    "zrs_offload": lambda ctx: build_zrs(
+        ctx, compiled=False, compiled_layers=True, offload="optimizer"
+    ),
     "zrs_offload_overlap": lambda ctx: build_zrs(
-        ctx, compiled=False, compiled_layers=True, offload=True, overlap=True
+        ctx, compiled=False, compiled_layers=True, offload="optimizer", overlap=True
+    ),
+    "zrs_params_overlap": lambda ctx: build_zrs(
+        ctx, compiled=False, compiled_layers=True, offload="params", overlap=True
     ),
 }
 COMPILED = ("zrs", "zrs_graphed", "zrs_captured")  # the zrs.compile ones: record_fields

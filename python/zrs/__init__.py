@@ -131,7 +131,9 @@ def compile(
         offload: "optimizer": the fp32 master shards and the optimizer state live in host
             memory (pinned beside a GPU) and the optimizer steps there, as with `zrs.shard`;
             the compiled graphs gather from each shard's device copy in the compute dtype
-            (docs/offload.md). Default: None (all on the device).
+            (docs/offload.md). "params": the compute-dtype shards on the host too; each gather
+            copies its shards in first and frees them once read. Default: None (all on the
+            device).
 
     Returns the same model object, sharded and compiled in place.
     """
@@ -271,7 +273,10 @@ def shard(
             stock torch.optim.AdamW, Adam or SGD over `model.parameters()` steps on the host,
             in zrs-core, writing the compute-dtype copy in the same pass (docs/offload.md).
             `param.grad` is a host tensor. Other optimizers, GradScaler, zrs.GraphedStep and
-            zrs.CapturedStep raise a ZrsError. Default: None (all on the device).
+            zrs.CapturedStep raise a ZrsError. "params": as "optimizer", and the compute-dtype
+            shards live on the host too (the GPU holds a shard only from its gather's start to
+            the gather's end, copied in on the gather's stream). Default: None (all on the
+            device).
 
     Returns the same model object, sharded in place.
     """

@@ -308,3 +308,29 @@ def test_a_region_call_is_keyed_by_its_operands_sizes_at_the_hints():
         calls.append(g.call_function(torch.ops.higher_order.invoke_subgraph, (body, "id", x, n)))
     first, second, third = (_region_call_key(c, hints) for c in calls)
     assert first == third != second
+
+
+def test_with_params_offload_each_gather_stages_its_shard_in_until_its_wait():
+    """offload="params": each all-gather copies this rank's shard in from the host first
+    (host_bytes, one shard of its gathered bytes); the staged bytes are allocated with the
+    gather and freed at its wait (the simulator's memory follows each node's alloc and free);
+    a slow host link makes the gathers, and the step, longer."""
+    graph = lowered("conv_bn")[0]
+    plain, _ = fx_ir.build_ir(graph, world=2)
+    ir, _ = fx_ir.build_ir(graph, world=2, staged=True)
+    pairs = list(zip(plain["nodes"], ir["nodes"], strict=True))
+    gathers = [(p, n) for p, n in pairs if n["kind"] == "allgather"]
+    assert gathers and all(n["host_bytes"] == -(-n["bytes"] // 2) for _, n in gathers)
+    for p, n in gathers:
+        assert n.get("alloc_bytes", 0) == p.get("alloc_bytes", 0) + n["host_bytes"]
+    staged = {n["ds_id"]: n["host_bytes"] for _, n in gathers}
+    for p, n in pairs:
+        if n["kind"] == "wait":
+            assert n.get("free_bytes", 0) == p.get("free_bytes", 0) + staged[n["ds_id"]]
+        elif n["kind"] != "allgather":
+            assert n == p
+    host = zplan.fit_copy_link([(1 << 10, 1e5), (2 << 10, 2e5)])  # 10 KB/s
+    cost = {**zplan.cost_model("nvlink", 2), "host": host}
+    slow = zplan.plan(ir, "greedy", cost=cost)
+    fast = zplan.plan(plain, "greedy", cost=cost)
+    assert slow["makespan_us"] > 10 * fast["makespan_us"]

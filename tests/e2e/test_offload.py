@@ -1,8 +1,9 @@
-"""Offload (`offload="optimizer"`) against the unsharded reference: the masters and the SGD
-momentum step on the host (zrs-core's update, runtime/offload.py), the zoo at world 1, 2 and 3 in
-fp32 (the same bounds as test_correctness.py) on zrs.shard and on zrs.compile (its graphs gather
-from the device copies), and two models in bf16 compute at world 2 (the bounds of
-test_mixed_precision.py); zrs.OverlappedStep's updates during the backward."""
+"""Offload against the unsharded reference: the masters and the SGD momentum step on the host
+(zrs-core's update, runtime/offload.py), the zoo at world 1, 2 and 3 in fp32 (the same bounds as
+test_correctness.py) on zrs.shard and on zrs.compile (its graphs gather from the device copies),
+and two models in bf16 compute at world 2 (the bounds of test_mixed_precision.py);
+zrs.OverlappedStep's updates during the backward; `offload="params"` (the compute-dtype copies on
+the host, staged in for each gather) on both APIs at every world."""
 
 from __future__ import annotations
 
@@ -39,12 +40,27 @@ OVERLAPPED = [
     (3, "shard", "chunked", 0.05, 2),
 ]
 
+# offload="params": (world, backend, model, bf16); each gather stages its shards in and frees
+# them once read, forward and backward, fused groups and single parameters
+PARAMS = [
+    (1, "shard", "gpt_tied", False),
+    (1, "eager", "conv_bn", False),
+    (2, "shard", "bias_stack", False),
+    (2, "inductor", "gpt_tied", False),
+    (2, "inductor", "mlp", True),
+    (2, "shard", "gpt_tied", True),
+    (3, "eager", "used_twice", False),
+    (3, "shard", "frozen", False),
+]
+
 pytestmark = pytest.mark.slow
 
 
-def _case(model: str, backend: str, bf16: bool = False, **kw: object) -> Case:
+def _case(
+    model: str, backend: str, bf16: bool = False, offload: str = "optimizer", **kw: object
+) -> Case:
     dtypes = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if bf16 else {}
-    return Case(model, backend, offload="optimizer", default_group=False, **dtypes, **kw)
+    return Case(model, backend, offload=offload, default_group=False, **dtypes, **kw)
 
 
 def _overlapped(model: str, backend: str, max_norm: float | None, accumulate: int) -> Case:
@@ -56,6 +72,7 @@ def _group(world: int) -> list[dict[str, dict]]:
     if world == 2:
         cases += [_case(m, b, bf16=True) for b in BACKENDS[world] for m in BF16_MODELS]
     cases += [_overlapped(m, b, norm, acc) for w, b, m, norm, acc in OVERLAPPED if w == world]
+    cases += [_case(m, b, bf16, offload="params") for w, b, m, bf16 in PARAMS if w == world]
     return cached_run(("offload", world), run_cases, world, cases)
 
 
@@ -128,3 +145,24 @@ def test_updates_during_the_backward_match_reference(
             per_rank, spec_of(model), ref, rtol=rtol, atol=atol, loss_rtol=RTOL, loss_atol=ATOL
         ),
     )
+
+
+@pytest.mark.parametrize(("world", "backend", "model", "bf16"), PARAMS, ids=str)
+def test_params_offloaded_match_reference(world: int, backend: str, model: str, bf16: bool) -> None:
+    """offload="params": the gathers read device copies staged in from the host's."""
+    case = _case(model, backend, bf16, offload="params")
+    per_rank = case_outcome(_group(world), case.key, brief=False)
+    ref = _reference(model, world, bf16=bf16)
+    if bf16:
+        problems = bf16_problems(per_rank, ref)
+    else:
+        problems = fp32_problems(
+            per_rank, ZOO[model], ref, rtol=RTOL, atol=ATOL, loss_rtol=RTOL, loss_atol=ATOL
+        )
+        problems += compiled_problems(per_rank, ZOO[model], backend)
+    for rank, r in enumerate(per_rank):
+        if not r["offloaded"]:
+            problems.append(
+                f"rank {rank}: a compute copy is not on the host, or a device copy kept storage"
+            )
+    _fail(f"{case.key} (world {world}) differs from the unsharded reference", problems)

@@ -1,5 +1,6 @@
-"""offload="optimizer" in one process, on zrs.shard and on zrs.compile (its eager backend): the
-device copy follows every change of the host master (a step, a load, an in-place write),
+"""offload="optimizer" and "params" in one process, on zrs.shard and on zrs.compile (its eager
+backend): the device copy follows every change of the host master (a step, a load, an in-place
+write; with "params", the host's compute copy that each gather stages in),
 gradients come back after the step, a resume continues as if uninterrupted, and what offload
 cannot do raises a ZrsError."""
 
@@ -20,14 +21,17 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
 
 
-# zrs.compile's graphs gather from the device copy as the eager path does (runtime/gather.py)
-APIS = ("shard", "compile")
+# zrs.compile's graphs gather from the device copy as the eager path does (runtime/gather.py);
+# "-params": offload="params"
+APIS = ("shard", "compile", "shard-params", "compile-params")
 
 
 def _offloaded(model: nn.Module, api: str, **kw: object) -> nn.Module:
-    if api == "compile":
-        return zrs.compile(model, offload="optimizer", backend="eager", **kw)
-    return zrs.shard(model, offload="optimizer", **kw)
+    entry, _, params = api.partition("-")
+    offload = "params" if params else "optimizer"
+    if entry == "compile":
+        return zrs.compile(model, offload=offload, backend="eager", **kw)
+    return zrs.shard(model, offload=offload, **kw)
 
 
 def _batch(step: int) -> torch.Tensor:
@@ -101,9 +105,7 @@ def test_a_resume_from_the_optimizer_state_continues_exactly():
 
 
 def test_what_offload_refuses():
-    with pytest.raises(zrs.ZrsError, match="not available yet"):
-        zrs.shard(_model(), offload="params")
-    with pytest.raises(zrs.ZrsError, match="pass None or"):
+    with pytest.raises(zrs.ZrsError, match="pass None,"):
         zrs.shard(_model(), offload="cpu")
     with pytest.raises(zrs.ZrsError, match="fp32 masters on the host"):
         zrs.shard(_model(), offload="optimizer", master_dtype=torch.bfloat16)

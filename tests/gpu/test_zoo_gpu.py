@@ -100,7 +100,8 @@ def test_bf16_masters_on_gpus_match_bf16_reference(api: str) -> None:
 
 @pytest.mark.parametrize("offloaded", group.offload_cases(), ids=lambda c: c.key)
 def test_offloaded_on_gpus_matches_reference(offloaded) -> None:
-    """offload="optimizer": the masters, the gradients and the SGD step on the host."""
+    """offload="optimizer": the masters, the gradients and the SGD step on the host; "params":
+    the compute copies too, and no device copy keeps storage after the run."""
     per_rank = group.outcome(offloaded.key)
     if offloaded.param_dtype is not None:
         problems = bf16_problems(per_rank, group.reference(offloaded.model, "bf16"))

@@ -82,7 +82,8 @@ MASTER_MODEL, MASTER_APIS = "gpt_tied", ("inductor", "shard")
 # zrs.shard(offload="optimizer"): the masters and the SGD step on the host, fp32 on a tied head,
 # a frozen layer and a stack; clipped (the norm of host gradients, on the gloo mesh); bf16
 # compute (the host update writes the bf16 copy); with each layer compiled; zrs.compile on
-# inductor (its graphs gather from the device copies) in bf16 and overlapped with a clip.
+# inductor (its graphs gather from the device copies) in bf16 and overlapped with a clip;
+# offload="params" on both APIs.
 OFFLOAD_MODELS, OFFLOAD_CLIP = ("gpt_tied", "frozen", "bias_stack"), ("gpt_tied", 0.05)
 # The checkpoint: (model, zrs backend, optimizer), trained CHECKPOINT_STEPS steps, then saved.
 CHECKPOINT_RUN, CHECKPOINT_STEPS = ("hf_gpt2", "eager", "sgd"), 2
@@ -157,7 +158,15 @@ def offload_cases() -> list[Case]:
         case("gpt_tied", "inductor", param_dtype=torch.bfloat16, **off),
         case(OFFLOAD_CLIP[0], "inductor", max_norm=OFFLOAD_CLIP[1], overlapped=True, **off),
     ]
-    return [*fp32, clipped, bf16, units, accumulated, *overlapped, *compiled]
+    # offload="params": the compute copies on the host, staged in on the gather stream
+    params = {"offload": "params"}
+    staged = [
+        case("gpt_tied", "shard", **params),
+        case("mlp", "inductor", param_dtype=torch.bfloat16, **params),
+        case("gpt_tied", COMPILED_UNITS, param_dtype=torch.bfloat16, overlapped=True, **params),
+        case("bias_stack", "inductor", overlapped=True, **params),
+    ]
+    return [*fp32, clipped, bf16, units, accumulated, *overlapped, *compiled, *staged]
 
 
 def all_cases() -> list[Case]:

@@ -616,13 +616,29 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
         ),
         "optimizer_state_dtypes": sorted(state_dtypes),
         # Where the optimizer's state and the gradients lived: the host, with offload.
-        "offloaded": getattr(model._zrs_state, "offload", None) is not None
-        and all(h.compute is not None for h in model._zrs_state.handles),
+        "offloaded": _offloaded_as_asked(model, case.offload),
         "optimizer_state_devices": sorted(
             {str(v.device) for s in opt.state.values() for v in s.values() if isinstance(v, Tensor)}
         ),
         "state": {k: v.detach().cpu().clone() for k, v in state.items()},
     }
+
+
+def _offloaded_as_asked(model: nn.Module, offload: str | None) -> bool:
+    """Every parameter has its device copy; with offload="params" its compute-dtype copy is on
+    the host and the device copy holds no storage between steps (a gather that left its
+    staging behind would keep it)."""
+    state = model._zrs_state
+    if state.offload is None or any(h.compute is None for h in state.handles):
+        return False
+    if offload != "params":
+        return True
+    return all(
+        h.host_compute is not None
+        and h.host_compute.device.type == "cpu"
+        and h.compute.untyped_storage().nbytes() == 0
+        for h in state.handles
+    )
 
 
 def run_isolated(call: Callable[[], dict], label: str) -> dict:

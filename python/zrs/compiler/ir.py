@@ -338,6 +338,7 @@ def build_ir(
     reduce_dtype: torch.dtype | None = None,
     hints: SizeHints | None = None,
     host_copies: bool = False,
+    staged: bool = False,
 ) -> tuple[dict[str, Any], list[fx.Node]]:
     """The planner IR of a lowered graph, and the FX node behind each IR index.
 
@@ -346,7 +347,8 @@ def build_ir(
     freed at their last readers. ``hints`` size the symbolic dimensions (``profile.size_hints``,
     the same on every rank); without them each counts as ``SYMBOLIC_DIM``. ``host_copies``
     (offload): each reduce-scatter's shard of the gradient then goes to the host as an fp32
-    master's gradient (``host_bytes``).
+    master's gradient (``host_bytes``). ``staged`` (offload="params"): each all-gather first
+    copies its shard in from the host (``host_bytes``), held from the gather to its wait.
     """
     hints = hints or {}
     local = rank_local_inputs(graph)  # unread inputs some ranks lack: every rank's IR alike
@@ -357,6 +359,7 @@ def build_ir(
     alloc, free = _memory(nodes, index, hints)
     base = _consumed_inputs(nodes, index, free, hints) if is_backward else 0
     specs = []
+    staging: dict[int, int] = {}  # ds_id -> the bytes its gather staged, freed at its wait
     for i, n in enumerate(nodes):
         kind = _kind(n)
         spec: dict[str, Any] = {"name": n.name, "kind": kind, "deps": sorted(deps[i])}
@@ -366,6 +369,12 @@ def build_ir(
             spec["bytes"] = nbytes(val(n), hints)
             if isinstance(val(n), torch.Tensor):  # the planner fuses only gathers of one dtype
                 spec["dtype"] = str(val(n).dtype)
+            if staged and spec["bytes"]:
+                shard = -(-spec["bytes"] // max(world, 1))
+                spec["host_bytes"] = staging[spec["ds_id"]] = shard
+                alloc[i] += shard
+        elif kind == "wait" and spec["ds_id"] in staging:
+            free[i] += staging.pop(spec["ds_id"])
         elif kind == "reduce_scatter":
             grad = val(n.args[0])
             numel = _numel(grad, hints) if isinstance(grad, torch.Tensor) else 0

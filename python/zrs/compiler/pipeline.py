@@ -128,6 +128,7 @@ def plan_context(state: ZeroState, record: Record | None = None, warm: bool = Fa
         trace_dir=state.trace_dir,
         cost=state.cost_model,
         host_copies=state.offload is not None,
+        staged=state.offload is not None and state.offload.params,
         profile=profile,
         reduce_dtype=state.reduce_dtype,
         record=record,

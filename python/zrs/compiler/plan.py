@@ -56,6 +56,8 @@ class PlanContext:
     cost: str | dict[str, Any] | None = None
     # Offload: each reduce-scatter's shard goes to the host (the IR's `host_bytes`).
     host_copies: bool = False
+    # offload="params": each all-gather stages its shard in from the host first.
+    staged: bool = False
     # Time the lowered graph's compute nodes once on real tensors (`zrs.compiler.profile`) on
     # `device`.
     profile: bool = False
@@ -187,6 +189,7 @@ def plan_graph(
         reduce_dtype=ctx.reduce_dtype,
         hints=hints,
         host_copies=ctx.host_copies,
+        staged=ctx.staged,
     )
     trace = bool(ctx.trace_dir) and ctx.rank == 0
     try:

@@ -61,7 +61,7 @@ def make_state(
     group = links.group
     world = world_size(group)
     if offload is not None:
-        state_options["offload"] = Offload(links.device)
+        state_options["offload"] = Offload(links.device, params=offload == "params")
         if group is not None and links.control_group is None:  # one rank: no meeting made it
             links.control_group = new_group_like(group, links.timeout, backend="gloo")
     return ZeroState(

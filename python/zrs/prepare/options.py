@@ -84,15 +84,10 @@ def check_compile(compile: object) -> str | None:
 
 
 def check_offload(offload: object) -> str | None:
-    """`zrs.shard`'s `offload`: None, or "optimizer" (docs/offload.md)."""
-    if offload is None or offload == "optimizer":
-        return offload
-    if offload == "params":
-        raise ZrsError(
-            'offload="params" (the compute-dtype shards on the host too) is not available yet; '
-            'offload="optimizer" keeps the fp32 masters and the optimizer state on the host'
-        )
-    raise ZrsError(f'offload={offload!r}: pass None or "optimizer"')
+    """`zrs.shard`'s `offload`: None, "optimizer" or "params" (docs/offload.md)."""
+    if offload is None or offload in ("optimizer", "params"):
+        return offload  # type: ignore[return-value]
+    raise ZrsError(f'offload={offload!r}: pass None, "optimizer" or "params"')
 
 
 def check_limits(limits: dict[str, object]) -> None:

@@ -347,10 +347,13 @@ class Fetcher:
             raw.untyped_storage().resize_(raw.numel() * raw.element_size())
         if state.offload is not None:
             state.offload.refresh(hs)
+            state.offload.stage(hs)  # unstaged once the gather has read them (_complete)
         shards = [h.source.detach() for h in hs]
         if state.world_size == 1:
             with torch.no_grad():
                 torch._foreach_copy_(raws, shards)
+            if state.offload is not None:
+                state.offload.unstage(hs)
             return None
         dtype = raws[0].dtype
         if len(hs) == 1:
@@ -369,6 +372,8 @@ class Fetcher:
             self.flights.pop(slot, None)
         hs = [self.handles[s] for s in flight.slots]
         self.state.wait(flight.work, lambda: f"the all-gather of {names(hs)} (eager)")
+        if self.state.offload is not None:
+            self.state.offload.unstage(hs)
         if flight.fused:
             with torch.no_grad():
                 torch.ops.zrs.unpack_rank_major(

@@ -52,6 +52,9 @@ class InFlight:
     def complete(self) -> None:
         streams.wait_for(self.done)
         self.state.wait(self.work, self.describe)
+        offload = self.state.offload
+        if offload is not None:
+            offload.unstage([h for h, _ in self.members])  # the collective has read them
         if not self.fused:
             return
         self.unpack()
@@ -127,11 +130,14 @@ def issue_gather(
             # then the members' buffer needs no memory. Holding it back keeps a prefetch in flight
             # at 1x its gathered bytes (plus the send block), as the planner counts it, not 2x.
             flat.storage.resize_(0)
+        _stage(todo)
         flight = _start_gather(todo, state, dtype, device, flat, async_op=True)
         if flight is None:
+            _unstage(todo)
             return
     else:
         with streams.running_on(side) as done:
+            _stage(todo)
             flight = _start_gather(todo, state, dtype, device, flat, async_op=False)
             assert flight is not None
             if flight.fused:
@@ -159,14 +165,31 @@ def _issue_one(h: ParamHandle, shard: torch.Tensor, dtype: torch.dtype) -> None:
     side = state.gather_stream if state.world_size > 1 else None
     if side is None:
         # None at one rank: the shard is cast into its buffer, nothing is in flight
+        _stage(todo)
         flight = _start_gather(todo, state, dtype, shard.device, None, async_op=True)
     else:
         with streams.running_on(side) as done:
+            _stage(todo)
             flight = _start_gather(todo, state, dtype, shard.device, None, async_op=False)
         assert flight is not None  # several ranks: a collective is in flight
         flight.done = done[0]
     if flight is not None:
         st.in_flight[h.ds_id] = flight
+    else:
+        _unstage(todo)
+
+
+def _stage(todo: Todo) -> None:
+    """offload="params": bring the shards of `todo` to the device on the current stream."""
+    offload = todo[0][0].state.offload
+    if offload is not None:
+        offload.stage([h for h, _, _ in todo])
+
+
+def _unstage(todo: Todo) -> None:
+    offload = todo[0][0].state.offload
+    if offload is not None:
+        offload.unstage([h for h, _, _ in todo])
 
 
 def _check_held_dtype(h: ParamHandle, dtype: torch.dtype) -> None:
@@ -309,7 +332,7 @@ def _keep(h: ParamHandle) -> None:
         flat = st.flat_of.pop(h.ds_id, None)
         if flat is not None:
             flat.live -= 1  # inductor's own references free the group buffer
-    st.kept[h.ds_id] = h.source._version
+    st.kept[h.ds_id] = h.kept_stamp()
 
 
 def _claim_kept(h: ParamHandle, dtype: torch.dtype) -> bool:
@@ -319,7 +342,7 @@ def _claim_kept(h: ParamHandle, dtype: torch.dtype) -> bool:
     version = st.kept.pop(h.ds_id, None)
     if version is None:
         return False
-    if version == h.source._version and st.buffers[h.ds_id].dtype == dtype:
+    if version == h.kept_stamp() and st.buffers[h.ds_id].dtype == dtype:
         return True
     drop_hold(h)
     return False

@@ -90,6 +90,18 @@ class ParamHandle:
     # the master as of its `versions()` `compute_version` (None: stale, made again when read).
     compute: torch.Tensor | None = None
     compute_version: tuple[int, int, int] | None = None
+    # offload="params": `compute` holds storage only while a gather reads it (staged); the
+    # compute-dtype copy lives in `host_compute` (pinned; the master itself in fp32), and
+    # `epoch` counts its rewrites (a staged copy's own version moves with every stage-in).
+    host_compute: torch.Tensor | None = None
+    epoch: int = 0
+    stages: int = 0  # gathers reading the staged copy now
+    staged_epoch: int = -1  # the host copy's epoch when it was staged
+
+    def kept_stamp(self) -> int:
+        """What a gathered copy kept for the backward is checked against (runtime/gather.py):
+        a change of the gathers' input since the copy was made."""
+        return self.epoch if self.host_compute is not None else self.source._version
 
     def versions(self) -> tuple[int, int, int]:
         """The counters an in-place write to the master moves: the flat shard's and, since a

@@ -37,7 +37,7 @@ from zrs.runtime.handles import ParamHandle
 from zrs.runtime.host_optim import HostOptimizer
 from zrs.runtime.overlap import Overlap
 
-CHOICES = ("optimizer",)
+CHOICES = ("optimizer", "params")
 
 
 THREADS_ENV = "ZRS_OFFLOAD_THREADS"
@@ -70,9 +70,12 @@ class Offload:
     """One model's host side: the host optimizer's threads, and the gradients hidden from
     torch's update while a step runs."""
 
-    def __init__(self, device: torch.device, threads: int | None = None) -> None:
+    def __init__(
+        self, device: torch.device, threads: int | None = None, params: bool = False
+    ) -> None:
         self.device = device
         self.pinned = device.type == "cuda"
+        self.params = params  # offload="params": the compute-dtype copies on the host too
         self.host = HostOptimizer.start(host_threads(device) if threads is None else threads)
         self.hidden: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> grad
         self.staged: dict[int, torch.Tensor] = {}  # ds_id -> pinned compute-dtype copy
@@ -99,6 +102,14 @@ class Offload:
                 "masters. Leave master_dtype unset (fp32) with offload"
             )
         h.compute = torch.empty(h.shard_numel, dtype=h.compute_dtype, device=self.device)
+        if self.params:
+            # Storage only while staged; the graphs never read it but through the gather ops.
+            h.compute.untyped_storage().resize_(0)
+            h.host_compute = (
+                h.shard
+                if h.compute_dtype == h.shard.dtype
+                else self.host_empty(h.shard_numel, h.compute_dtype)
+            )
         # The gathers' input in place of the shard (zrs.compile's graphs take it as the
         # shard): its gradient is the parameter's, and its size stays out of dynamo's symbols.
         h.compute.requires_grad_(h.shard.requires_grad)
@@ -132,10 +143,45 @@ class Offload:
             self.overlap.settle(hs)
         for h in hs:
             version = h.versions()
-            if h.compute is not None and h.compute_version != version:
-                with torch.no_grad():
+            if h.compute is None or h.compute_version == version:
+                continue
+            with torch.no_grad():
+                if h.host_compute is None:
                     h.compute.copy_(h.shard, non_blocking=True)
-                h.compute_version = version
+                elif h.host_compute is not h.shard:
+                    h.host_compute.copy_(h.shard)
+            h.epoch += 1
+            h.compute_version = version
+
+    def stage(self, hs: list[ParamHandle]) -> None:
+        """offload="params": give each device copy of `hs` storage and copy its host copy in,
+        on the current stream (a gather's: the gather stream beside a GPU), before a gather
+        reads it. `unstage` frees it once the gather has read it."""
+        if not self.params:
+            return
+        with torch.no_grad():
+            for h in hs:
+                assert h.compute is not None and h.host_compute is not None
+                h.stages += 1
+                if h.stages == 1:
+                    storage = h.compute.untyped_storage()
+                    storage.resize_(h.shard_numel * h.compute.element_size())
+                elif h.staged_epoch == h.epoch:
+                    continue  # staged for a gather still reading it, and current
+                # (a copy staged before the host copy changed is one a stopped step left)
+                h.compute.copy_(h.host_compute, non_blocking=True)
+                h.staged_epoch = h.epoch
+
+    def unstage(self, hs: list[ParamHandle]) -> None:
+        """The gathers that `stage` served have read the device copies of `hs` (on the stream
+        their storage came from, or one that stream waits for): free the storage."""
+        if not self.params:
+            return
+        for h in hs:
+            assert h.compute is not None
+            h.stages -= 1
+            if h.stages == 0:
+                h.compute.untyped_storage().resize_(0)
 
     def to_host(
         self, grad: torch.Tensor, dtype: torch.dtype, into: torch.Tensor | None = None
@@ -291,9 +337,12 @@ class Offload:
     @staticmethod
     def send(h: ParamHandle, copy: torch.Tensor | None) -> None:
         """Copy `h`'s updated master to its device copy: `copy` (the compute-dtype rows the
-        update wrote), or the master itself when the compute dtype is fp32."""
+        update wrote), or the master itself when the compute dtype is fp32. offload="params":
+        the update wrote the host copy, which the next gather stages in."""
         assert h.compute is not None
-        if copy is None:
+        if h.host_compute is not None:
+            h.epoch += 1
+        elif copy is None:
             h.compute.copy_(h.shard, non_blocking=True)
         elif copy.device != h.compute.device:  # staged beside a GPU
             h.compute.narrow(0, 0, h.local_numel).copy_(copy, non_blocking=True)
@@ -304,6 +353,8 @@ class Offload:
         assert h.compute is not None
         if h.compute.dtype == torch.float32:
             return None
+        if h.host_compute is not None:
+            return h.host_compute.narrow(0, 0, h.local_numel)
         if h.compute.device.type == "cpu":
             return h.compute.narrow(0, 0, h.local_numel)
         staged = self.staged.get(h.ds_id)

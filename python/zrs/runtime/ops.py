@@ -113,9 +113,15 @@ def _fake(name: str):
 @_impl("gather")
 def _gather(shard, ds_id, shape, dtype=None):
     h = handles.handle(ds_id)
-    if h.state.offload is not None:
-        h.state.offload.refresh([h])
-    return collectives.gather_full(h, shard, dtype)
+    offload = h.state.offload
+    if offload is None:
+        return collectives.gather_full(h, shard, dtype)
+    offload.refresh([h])
+    offload.stage([h])
+    try:
+        return collectives.gather_full(h, shard, dtype)
+    finally:
+        offload.unstage([h])  # read: the gather waited for its collective
 
 
 @_fake("gather")

@@ -19,6 +19,9 @@
 //!   its reduce-scatter is waited for). The graph ends no earlier than its last copy (the
 //!   backward's end waits for them), so a copy tail is exposed too; the copies take no device
 //!   memory the graph accounts for.
+//! - Offload of the parameters: an all-gather with `host_bytes` first copies its shard in from
+//!   the host on its own stream (the runtime stages it there), so its time is the copy's and
+//!   the gather's; the staged bytes are in its `alloc` and its wait's `free` (compiler/ir.py).
 
 use serde::Serialize;
 
@@ -44,7 +47,9 @@ impl<'a> Problem<'a> {
             .iter()
             .map(|n| match (n.duration_us, n.kind) {
                 (Some(d), _) => d,
-                (None, NodeKind::Allgather) => cost.allgather_us(n.bytes),
+                (None, NodeKind::Allgather) => {
+                    cost.allgather_us(n.bytes) + cost.host_copy_us(n.host_bytes)
+                }
                 (None, NodeKind::ReduceScatter) => cost.reduce_scatter_us(n.bytes),
                 (None, _) => 0.0,
             })
@@ -52,7 +57,10 @@ impl<'a> Problem<'a> {
         let host_dur = g
             .nodes
             .iter()
-            .map(|n| cost.host_copy_us(n.host_bytes))
+            .map(|n| match n.kind {
+                NodeKind::ReduceScatter => cost.host_copy_us(n.host_bytes),
+                _ => 0.0,
+            })
             .collect();
         Problem {
             g,
@@ -70,16 +78,15 @@ impl<'a> Problem<'a> {
         self.g.is_empty()
     }
 
-    /// Duration of a fused all-gather of these members.
+    /// Duration of a fused all-gather of these members (and of their stage-in, if staged).
     pub fn group_dur(&self, members: &[u32]) -> f64 {
         if members.len() == 1 {
             return self.dur[members[0] as usize];
         }
-        let bytes: u64 = members
-            .iter()
-            .map(|&m| self.g.nodes[m as usize].bytes)
-            .sum();
-        self.cost.allgather_us(bytes)
+        let nodes = || members.iter().map(|&m| &self.g.nodes[m as usize]);
+        let bytes: u64 = nodes().map(|n| n.bytes).sum();
+        let staged: u64 = nodes().map(|n| n.host_bytes).sum();
+        self.cost.allgather_us(bytes) + self.cost.host_copy_us(staged)
     }
 
     /// Total compute-stream busy time (independent of the order).
@@ -437,8 +444,58 @@ mod tests {
         );
     }
 
+    /// Two parameters gathered (staging `staged` bytes each from the host first), waited for
+    /// and read by one compute node.
+    fn staged_forward(staged: u64) -> Graph {
+        let mut s = GraphSpec::default();
+        let mut waits = Vec::new();
+        for l in 0..2 {
+            let ag = s.push(NodeSpec {
+                ds_id: Some(l),
+                bytes: 1 << 20,
+                host_bytes: staged,
+                ..NodeSpec::new(format!("ag{l}"), NodeKind::Allgather)
+            }) as usize;
+            waits.push(s.push(NodeSpec {
+                deps: vec![ag],
+                ds_id: Some(l),
+                ..NodeSpec::new(format!("wait{l}"), NodeKind::Wait)
+            }) as usize);
+        }
+        s.push(NodeSpec {
+            deps: waits,
+            duration_us: Some(10.0),
+            ..NodeSpec::new("mm", NodeKind::Compute)
+        });
+        Graph::new(s).unwrap()
+    }
+
     #[test]
-    fn host_bytes_belong_to_reduce_scatters_only() {
+    fn a_staged_gather_copies_its_shard_in_first() {
+        let order: Vec<u32> = (0..5).collect();
+        let g = staged_forward(1_000_000);
+        let plain = simulate(&Problem::new(&g, &cost(None)), &order, &[]).unwrap();
+        let p = Problem::new(&g, &cost(Some(HOST)));
+        let r = simulate(&p, &order, &[]).unwrap();
+        let ag0 = 0;
+        let gather = plain.end_us[ag0] - plain.start_us[ag0];
+        assert!((r.end_us[ag0] - r.start_us[ag0] - gather - 1010.0).abs() < 1e-6);
+        assert_eq!(
+            r.host_copy_busy_us, 0.0,
+            "a stage-in is on the gather's stream"
+        );
+        // fused, the two stage one transfer of their summed bytes, then gather
+        let fused = p.group_dur(&[0, 2]);
+        let want = CostModel::nvlink(2).allgather_us(2 << 20) + HOST.copy_us(2_000_000);
+        assert!((fused - want).abs() < 1e-6, "{fused} != {want}");
+        // no staged bytes: the host link changes nothing
+        let unstaged = staged_forward(0);
+        let q = Problem::new(&unstaged, &cost(Some(HOST)));
+        assert_eq!(q.dur, Problem::new(&g, &cost(None)).dur);
+    }
+
+    #[test]
+    fn host_bytes_belong_to_reduce_scatters_and_gathers_only() {
         let mut s = GraphSpec::default();
         s.push(NodeSpec {
             duration_us: Some(1.0),
@@ -447,5 +504,6 @@ mod tests {
         });
         let err = Graph::new(s).unwrap_err().to_string();
         assert!(err.contains("only a reduce_scatter"), "{err}");
+        assert!(err.contains("or an allgather"), "{err}");
     }
 }

@@ -69,10 +69,12 @@ impl Graph {
             indeg[i] = (k - start) as u32;
             dep_off.push(dep_idx.len() as u32);
             names.push(ns.name.clone());
-            if ns.host_bytes > 0 && ns.kind != NodeKind::ReduceScatter {
+            if ns.host_bytes > 0
+                && !matches!(ns.kind, NodeKind::ReduceScatter | NodeKind::Allgather)
+            {
                 return Err(Error::Invalid(format!(
-                    "node '{}' (#{i}) copies host_bytes to the host, but only a reduce_scatter \
-                     does",
+                    "node '{}' (#{i}) has host_bytes, but only a reduce_scatter (copied to the \
+                     host) or an allgather (staged in from it) moves bytes over the host link",
                     ns.name
                 )));
             }

@@ -94,8 +94,10 @@ pub struct NodeSpec {
     /// The dtype an all-gather gathers to: only gathers of one dtype fuse.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dtype: Option<String>,
-    /// Bytes this rank copies to the host once a reduce-scatter is done (offload: its shard of
-    /// the reduced gradient, for the host optimizer); 0 for none.
+    /// Offload: on a reduce-scatter, the bytes this rank copies to the host once it is done (its
+    /// shard of the reduced gradient, for the host optimizer); on an all-gather
+    /// (`offload="params"`), the bytes of its shard copied in from the host on the gather's
+    /// stream just before it. 0 for none.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub host_bytes: u64,
 }

@@ -20,7 +20,9 @@ def _within_timeout(record: dict) -> None:
     assert record["seconds"] <= TIMEOUT + MARGIN, record
 
 
-@pytest.mark.parametrize("backend", ["eager", "shard", "shard-offload", "eager-offload"])
+@pytest.mark.parametrize(
+    "backend", ["eager", "shard", "shard-offload", "eager-offload", "eager-params"]
+)
 def test_every_rank_raising_in_a_phase_recovers_to_the_clean_skip(backend):
     for r in run_workers(faults.all_ranks_raise, 2, TIMEOUT, backend, timeout=BOUND):
         faults.assert_recovered(r)
@@ -79,6 +81,32 @@ def test_a_compiled_layer_that_raises_on_one_rank_stops_every_rank_within_the_ti
     peer, failed = (r["errors"] for r in results)
     assert all(r["graphs"] >= 1 for r in results), results  # the layers were compiled
     assert failed[0]["kind"] == "Fault" and "compiled layer" in failed[0]["error"]
+    _within_timeout(peer[0])
+    _within_timeout(failed[1])
+    for errors in (peer, failed):
+        assert errors[-1]["kind"] == "ZrsError" and "restart" in errors[-1]["error"]
+
+
+@pytest.mark.parametrize(
+    ("phase", "backend"),
+    [
+        ("forward", "shard-offload"),
+        ("backward", "eager-offload"),
+        ("backward", "shard-params"),
+        ("optimizer", "shard-offload"),
+    ],
+)
+def test_one_rank_raising_with_offload_stops_every_rank_within_the_timeout(phase, backend):
+    """Offloaded (the masters on the host; with "params" the compute copies too), one rank
+    raising in a phase stops every rank as without offload: the host update of the rank that
+    raised in its optimizer pre-hooks never ran, and the next forward finds the steps apart."""
+    peer, failed = _one_rank_raises(phase, backend)
+    assert failed[0]["kind"] == "Fault"
+    if phase == "optimizer":
+        for errors in (peer, failed[1:]):
+            _within_timeout(errors[0])
+            assert "optimizer steps" in errors[0]["error"]
+        return
     _within_timeout(peer[0])
     _within_timeout(failed[1])
     for errors in (peer, failed):

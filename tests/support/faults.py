@@ -153,12 +153,13 @@ def build(
     timeout: float | None, backend: str = "eager", device: str = "cpu", **kwargs: Any
 ) -> tuple[Net, torch.optim.Optimizer]:
     """Net on `device` under zrs.compile with `backend`, or under zrs.shard (`backend="shard"`);
-    either with offload="optimizer" after "-offload" ("shard-offload", "eager-offload")."""
+    either with offload="optimizer" after "-offload" ("shard-offload", "eager-offload"), or
+    offload="params" after "-params"."""
     torch.manual_seed(0)
     net = Net().to(on(device))
-    api = backend.removesuffix("-offload")
-    if api != backend:
-        kwargs["offload"] = "optimizer"
+    api, _, offload = backend.partition("-")
+    if offload:
+        kwargs["offload"] = "optimizer" if offload == "offload" else offload
     if api == "shard":
         model = zrs.shard(net, timeout=timeout, **kwargs)
     else:

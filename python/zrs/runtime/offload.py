@@ -1,5 +1,6 @@
 """Offload (issue 37, `zrs.shard(model, offload="optimizer")`): the fp32 master shards and the
 optimizer state live in host memory (pinned beside a GPU), and the optimizer step runs there.
+`offload="params"` keeps the compute-dtype shards on the host as well (`stage`, `unstage`).
 
 - Each parameter's `shard` and `param` (the DTensor users and optimizers see) are the host master;
   the device holds `ParamHandle.compute`, this rank's shard in the compute dtype, which the eager
@@ -36,9 +37,6 @@ from zrs.runtime import host_step
 from zrs.runtime.handles import ParamHandle
 from zrs.runtime.host_optim import HostOptimizer
 from zrs.runtime.overlap import Overlap
-
-CHOICES = ("optimizer", "params")
-
 
 THREADS_ENV = "ZRS_OFFLOAD_THREADS"
 

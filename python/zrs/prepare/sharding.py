@@ -105,11 +105,9 @@ def _guarded_apply(base: type) -> Callable[..., nn.Module]:
         for name in sharded:
             param = self._parameters[name]
             applied = fn(param)
-            # With offload the master stays on the host by design: the model's device is its
-            # compute device (Lightning moves every model there after configure_model).
-            home = handles.handle(self._zrs_params[name][0]).source.device
             if applied is not param and (
-                applied.device not in (param.device, home) or applied.dtype != param.dtype
+                applied.dtype != param.dtype
+                or applied.device not in (param.device, _compute_device(self, name))
             ):
                 raise ZrsError(
                     f"cannot move or cast {type(self).__name__}.{name} ({param.dtype} on "
@@ -126,6 +124,13 @@ def _guarded_apply(base: type) -> Callable[..., nn.Module]:
             self._parameters.update(kept)
 
     return _apply
+
+
+def _compute_device(module: nn.Module, name: str) -> torch.device:
+    """Where a sharded parameter's gathers read it: with offload the master stays on the host
+    by design, and the model's device is its compute device (Lightning moves every model there
+    after configure_model)."""
+    return handles.handle(module._zrs_params[name][0]).source.device
 
 
 def _install_properties(

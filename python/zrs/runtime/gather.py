@@ -53,7 +53,7 @@ class InFlight:
         streams.wait_for(self.done)
         self.state.wait(self.work, self.describe)
         offload = self.state.offload
-        if offload is not None:
+        if offload is not None and offload.params:
             offload.unstage([h for h, _ in self.members])  # the collective has read them
         if not self.fused:
             return
@@ -182,13 +182,13 @@ def _issue_one(h: ParamHandle, shard: torch.Tensor, dtype: torch.dtype) -> None:
 def _stage(todo: Todo) -> None:
     """offload="params": bring the shards of `todo` to the device on the current stream."""
     offload = todo[0][0].state.offload
-    if offload is not None:
+    if offload is not None and offload.params:
         offload.stage([h for h, _, _ in todo])
 
 
 def _unstage(todo: Todo) -> None:
     offload = todo[0][0].state.offload
-    if offload is not None:
+    if offload is not None and offload.params:
         offload.unstage([h for h, _, _ in todo])
 
 

@@ -58,6 +58,8 @@ class LlamaConfig:
 PRESETS: dict[str, LlamaConfig] = {
     "1b": LlamaConfig(n_layers=16, dim=2048, n_heads=16, ffn_dim=5504),
     "7b": LlamaConfig(n_layers=32, dim=4096, n_heads=32, ffn_dim=11008),
+    # Llama-2-13B's shape: for offload="params" on one GPU (the host holds 18 bytes a parameter).
+    "13b": LlamaConfig(n_layers=40, dim=5120, n_heads=40, ffn_dim=13824),
     # CPU smoke tests only.
     "tiny": LlamaConfig(
         n_layers=2, dim=64, n_heads=4, ffn_dim=160, vocab_size=512, seq_len=64, micro_batch=2

@@ -14,6 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from zrs import checkpointing, integrations, prepare
 from zrs._core import BudgetInfeasibleError, ZrsError
@@ -42,6 +43,7 @@ def compile(
     model: nn.Module,
     *,
     process_group: dist.ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
     backend: str = "inductor",
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
@@ -69,6 +71,13 @@ def compile(
     Args:
         process_group: the data-parallel group (default: the world group; none needed for one
             process).
+        mesh: instead of `process_group`, a DeviceMesh: 1-D, the group to shard over; 2-D,
+            hybrid sharding (FSDP2's HSDP): the parameters are sharded within each group of the
+            shard dimension and replicated across the replicate dimension, the gradients
+            reduce-scattered within the shard group and all-reduced across the replicas. The
+            dimensions are read by the names "dp_replicate" and "dp_shard", or unnamed as
+            (replicate, shard); each parameter is a DTensor placed (Replicate(), Shard(0)) on
+            the mesh (docs/hybrid.md). Not with `offload` yet.
         backend: "inductor" (default) or "eager" (run the lowered FX graphs without codegen).
         param_dtype: compute dtype of gathered parameters (e.g. torch.bfloat16; default: each
             parameter's own dtype).
@@ -149,8 +158,8 @@ def compile(
     precision = prepare.check_common(model, timeout, param_dtype, reduce_dtype, master_dtype)
     prepare.check_memory_budget(memory_budget)
     offload = prepare.check_offload(offload)
-    group = prepare.resolve_group(process_group)
-    world = prepare.world_size(group)
+    topology = prepare.resolve_topology(process_group, mesh)
+    world = topology.size
     if keep_for_backward is None:
         # One rank: the kept copy (a clone under inductor) costs what the cast it saves costs, and
         # it adds to the step's peak memory (BENCHMARKS.md).
@@ -180,13 +189,13 @@ def compile(
     }
 
     # The recipe, each step one call into the layer that owns it (docs/architecture.md).
-    links = prepare.agree_and_connect(model, group, "zrs.compile", settings)
+    links = prepare.agree_and_connect(model, topology, "zrs.compile", settings)
     state = prepare.make_state(links, precision, offload=offload, **compiler_options)
     prepare.shard_parameters(model, state, init_fn, regions)
     checkpointing.install_hooks(model)
-    integrations.adopt_conventions(model, functools.partial(full_state_dict, model), state.rank)
+    integrations.adopt_conventions(model, functools.partial(full_state_dict, model), state.job_rank)
     prepare.install_units(model, state, layered=False, limits={})
-    state.compare_inputs = dynamic is None and world > 1
+    state.compare_inputs = dynamic is None and (world > 1 or state.replicas > 1)
     inputs_agree = (lambda: state.inputs_agree) if state.compare_inputs else None
     forward = compile_forward(
         model, make_backend(state, backend), links.entry, dynamic, inputs_agree
@@ -217,6 +226,7 @@ def shard(
     model: nn.Module,
     *,
     process_group: dist.ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     master_dtype: torch.dtype | None = None,
@@ -247,7 +257,7 @@ def shard(
     differs.
 
     Args (the sizes count elements of gathered parameters):
-        process_group, param_dtype, reduce_dtype, master_dtype, init_fn, timeout: as for
+        process_group, mesh, param_dtype, reduce_dtype, master_dtype, init_fn, timeout: as for
             `zrs.compile`.
         prefetch_numel: elements prefetched ahead of the running unit, by the trace. Default:
             the largest unit's (one unit ahead).
@@ -300,14 +310,14 @@ def shard(
         "timeout": timeout,
         **limits,
     }
-    group = prepare.resolve_group(process_group)
+    topology = prepare.resolve_topology(process_group, mesh)
 
     # The recipe, each step one call into the layer that owns it (docs/architecture.md).
-    links = prepare.agree_and_connect(model, group, "zrs.shard", settings)
+    links = prepare.agree_and_connect(model, topology, "zrs.shard", settings)
     state = prepare.make_state(links, precision, offload=offload)
     prepare.shard_parameters(model, state, init_fn, regions=False)
     checkpointing.install_hooks(model)
-    integrations.adopt_conventions(model, functools.partial(full_state_dict, model), state.rank)
+    integrations.adopt_conventions(model, functools.partial(full_state_dict, model), state.job_rank)
     prepare.install_units(
         model, state, layered=True, limits=limits, compile_backend=compile_backend
     )

@@ -454,6 +454,10 @@ class Case:
     # Step through zrs.OverlappedStep (offload's updates during the backward, clipped to
     # max_norm when given) instead of opt.step().
     overlapped: bool = False
+    # Hybrid sharding: mesh= a 2-D DeviceMesh "RxS" (R replicas of S shards, each shard group
+    # contiguous ranks), "RxS-strided" (shard groups of every Rth rank: [0, 2] and [1, 3] at
+    # 2x2); None: a process group.
+    mesh: str | None = None
 
     @property
     def key(self) -> str:
@@ -468,9 +472,10 @@ class Case:
         offload = f"-offload-{self.offload}" if self.offload else ""
         acc = f"-acc{self.accumulate}" if self.accumulate > 1 else ""
         acc += "-overlapped" if self.overlapped else ""
+        mesh = f"-mesh{self.mesh}" if self.mesh else ""
         return (
             f"{self.backend}{sched}-{self.model}{dtype}{master}{where}{graphed}{streams}{offload}"
-            f"{acc}"
+            f"{acc}{mesh}"
         )
 
 
@@ -521,6 +526,8 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
         torch.backends.cudnn.allow_tf32 = False
     model = spec.build().to(device=device, dtype=case.master_dtype)
     kwargs: dict = {"process_group": group, "backend": case.backend}
+    if case.mesh is not None:
+        kwargs = {"mesh": make_mesh(case.mesh, device.type), "backend": case.backend}
     if case.master_dtype is not None:
         kwargs["master_dtype"] = case.master_dtype
     if case.param_dtype is not None:
@@ -672,6 +679,17 @@ def run_isolated(call: Callable[[], dict], label: str) -> dict:
     return res
 
 
+def make_mesh(spec: str, device_type: str) -> object:
+    """The 2-D DeviceMesh ("dp_replicate", "dp_shard") of a Case's `mesh` spec, over every rank."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    shape, _, layout = spec.partition("-")
+    replicas, shards = (int(n) for n in shape.split("x"))
+    ranks = torch.arange(replicas * shards)
+    grid = ranks.view(shards, replicas).T if layout == "strided" else ranks.view(replicas, shards)
+    return DeviceMesh(device_type, grid, mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
 def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, dict]:
     """Worker entry point: run every case in order; one case's failure does not stop the others.
 
@@ -685,7 +703,7 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for case in cases:
         group = None
-        if not case.default_group:
+        if not case.default_group and case.mesh is None:
             group = dist.new_group(
                 list(range(world_size)),
                 timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT),

@@ -95,7 +95,7 @@ def save(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Detected an existing checkpoint", UserWarning)
         if not async_save:
-            dcp.save(content, storage_writer=writer, process_group=state.group)
+            dcp.save(content, storage_writer=writer, process_group=state.job_group)
             return None
         return dcp.async_save(content, storage_writer=writer, process_group=_cpu_group(state))
 
@@ -104,10 +104,10 @@ def _cpu_group(state: ZeroState) -> dist.ProcessGroup | None:
     """A gloo group of its own over the state's ranks for asynchronous saves (made once per
     state): their writes and their final collective run in a background thread, which must not
     share a communicator with the training's collectives (gloo pairs them in issue order)."""
-    if state.group is None:
+    if state.job_group is None:
         return None
     if state.checkpoint_group is None:
-        state.checkpoint_group = new_group_like(state.group, state.timeout, backend="gloo")
+        state.checkpoint_group = new_group_like(state.job_group, state.timeout, backend="gloo")
     return state.checkpoint_group
 
 
@@ -136,7 +136,7 @@ def load(
     _check_files(path, metadata)
     staged = tree_map_only(torch.Tensor, _fresh, target)
     try:
-        dcp.load(staged, checkpoint_id=path, process_group=state.group)
+        dcp.load(staged, checkpoint_id=path, process_group=state.job_group)
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
         key = _first_unreadable(path, staged, state)
         where = _files_of(path, metadata, key) if key is not None else "its data files"
@@ -229,7 +229,7 @@ def _first_unreadable(path: str, staged: dict[str, Any], state: ZeroState) -> st
     """After a failed load: the first key that cannot be read on its own (collective)."""
     for key, value in _flat(staged).items():
         try:
-            dcp.load({key: value}, checkpoint_id=path, process_group=state.group)
+            dcp.load({key: value}, checkpoint_id=path, process_group=state.job_group)
         except (Exception, CheckpointException):
             return key
     return None

@@ -169,4 +169,4 @@ def _meet(model: nn.Module, keys: list[str]) -> None:
 
 def _rank(model: nn.Module) -> int:
     state = getattr(model, "_zrs_state", None)
-    return state.rank if state is not None else 0
+    return state.job_rank if state is not None else 0

@@ -5,7 +5,6 @@ on the model and its options across the ranks, and the model's `ZeroState` made 
 from __future__ import annotations
 
 import datetime
-import os
 from typing import Any
 
 import torch
@@ -13,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zrs._core import Registry, ZrsError
+from zrs.prepare.mesh import Topology, world_size
 from zrs.prepare.options import Precision
 from zrs.runtime.collectives import new_group_like
 from zrs.runtime.exchange import Peers, group_timeout
@@ -21,32 +21,14 @@ from zrs.runtime.offload import Offload
 from zrs.runtime.state import ZeroState
 
 
-def resolve_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    if process_group is not None:
-        return process_group
-    if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        raise ZrsError(
-            f"zrs.compile (or zrs.shard) was called before torch.distributed.init_process_group, but "
-            f"WORLD_SIZE={world}: call dist.init_process_group('nccl' on GPUs, 'gloo' on CPU) "
-            "first, or pass process_group="
-        )
-    return None  # one process, no torch.distributed: collectives are local copies
-
-
-def world_size(group: dist.ProcessGroup | None) -> int:
-    return dist.get_world_size(group) if group is not None else 1
-
-
 def agree_and_connect(
-    model: nn.Module, group: dist.ProcessGroup | None, api: str, settings: dict[str, Any]
+    model: nn.Module, topology: Topology, api: str, settings: dict[str, Any]
 ) -> Links:
     """Find the model's device, number this call (every rank counts alike), agree on the model
-    and `settings` across the ranks, and make the communicators."""
-    device = resolve_device(model, group)
-    links = Links(group, device, settings["timeout"], next(LIVE.compile_calls))
+    and `settings` across the ranks (every replica's too), and make the communicators."""
+    device = resolve_device(model, topology.shard)
+    settings = {**settings, "mesh": topology.describe()}
+    links = Links(topology, device, settings["timeout"], next(LIVE.compile_calls))
     if links.peers is not None:  # before any collective: a mismatch there hangs or aborts
         links.peers.agree(f"{api} call {links.entry}", describe(model, settings))
         links.connect(settings.get("separate_reduce_communicator", True))
@@ -62,6 +44,11 @@ def make_state(
     world = world_size(group)
     if offload is not None:
         state_options["offload"] = Offload(links.device, params=offload == "params")
+        if links.topology.mesh is not None:
+            raise ZrsError(
+                "offload= with a 2-D mesh (hybrid sharding) is not supported yet: offload over "
+                "a 1-D mesh or process_group, or shard over the 2-D mesh without offload"
+            )
         if group is not None and links.control_group is None:  # one rank: no meeting made it
             links.control_group = new_group_like(group, links.timeout, backend="gloo")
     return ZeroState(
@@ -79,6 +66,9 @@ def make_state(
         reduce_group=links.reduce_group,
         control_group=links.control_group,
         peers=links.peers,
+        replicate_group=links.replicate_group,
+        job_group=links.topology.job_group,
+        device_mesh=links.topology.mesh,
         **state_options,
     )
 
@@ -114,34 +104,41 @@ def resolve_device(model: nn.Module, group: dist.ProcessGroup | None) -> torch.d
 
 
 class Links:
-    """The group, device and number of one zrs.compile (or zrs.shard) call, and its communicators
-    and store meeting, all with one timeout: `timeout` seconds, else the process group's own."""
+    """The groups, device and number of one zrs.compile (or zrs.shard) call, and its
+    communicators and store meeting, all with one timeout: `timeout` seconds, else the process
+    group's own. The meeting and the host-side exchanges span every rank of the job (all
+    replicas: two that compiled different graphs would hang in the gradient all-reduce); the
+    gathers and reduce-scatters run within the shard group."""
 
     def __init__(
         self,
-        group: dist.ProcessGroup | None,
+        topology: Topology,
         device: torch.device,
         timeout: float | None,
         entry: int,
     ):
-        self.group = group
+        self.topology = topology
+        self.group = topology.shard
         self.device = device
         self.entry = entry
-        self.gather_group = self.reduce_group = group
+        self.gather_group = self.reduce_group = self.group
+        self.replicate_group: dist.ProcessGroup | None = None
         self.control_group: dist.ProcessGroup | None = None
         self.peers: Peers | None = None
-        if group is None:
+        job = topology.job_group
+        if job is None:
             self.timeout = datetime.timedelta(minutes=30)
             return
-        own = group_timeout(group)
+        own = group_timeout(job)
         self.timeout = datetime.timedelta(seconds=timeout) if timeout is not None else own
-        if dist.get_world_size(group) > 1:
-            self.peers = Peers(group, f"{group.group_name}/{entry}", self.timeout)
+        if dist.get_world_size(job) > 1:
+            self.peers = Peers(job, f"{job.group_name}/{entry}", self.timeout)
 
     def connect(self, separate_reduce_communicator: bool) -> None:
-        """Make the communicators: the all-gathers' (the group itself when its timeout is the
-        one asked for), the reduce-scatters' (`separate_reduce_communicator`) and a gloo group
-        for the host-side exchanges."""
+        """Make the communicators: the all-gathers' (the shard group itself when its timeout is
+        the one asked for), the reduce-scatters' (`separate_reduce_communicator`), the gradient
+        all-reduce's across the replicas, and a gloo group over the job for the host-side
+        exchanges."""
         group = self.gather_group
         assert group is not None
         if group_timeout(group) != self.timeout:
@@ -149,7 +146,11 @@ class Links:
         self.reduce_group = self.gather_group
         if separate_reduce_communicator:
             self.reduce_group = new_group_like(group, self.timeout)
-        self.control_group = new_group_like(group, self.timeout, backend="gloo")
+        if self.topology.replicas > 1:
+            self.replicate_group = new_group_like(self.topology.replicate, self.timeout)
+        job = self.topology.job_group
+        assert job is not None
+        self.control_group = new_group_like(job, self.timeout, backend="gloo")
 
 
 def describe(model: nn.Module, settings: dict[str, Any]) -> list[str]:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from zrs._core import ZrsError
@@ -246,6 +246,9 @@ def _rank0_values(state: ZeroState, params: list[torch.Tensor]) -> list[torch.Te
     if fulls and state.group is not None and state.world_size > 1:
         # Rank 0 of the group (the group's own numbering, as the process group's API takes it).
         dist._broadcast_coalesced(state.gather_group, fulls, BROADCAST_BUCKET_BYTES, 0)
+    if fulls and state.replicate_group is not None:
+        # Then the first replica's values to the others: the job's rank 0's everywhere.
+        dist._broadcast_coalesced(state.replicate_group, fulls, BROADCAST_BUCKET_BYTES, 0)
     return fulls
 
 
@@ -278,7 +281,7 @@ def _shard_one(state: ZeroState, param: nn.Parameter, full: torch.Tensor, name: 
         local = DTensor.from_local(
             local,
             state.mesh,
-            [Shard(0) if param.dim() else Replicate()],
+            state.placements(param.dim()),
             run_check=False,
             shape=param.shape,
             stride=tuple(reversed(list(strides))) if param.dim() else (),

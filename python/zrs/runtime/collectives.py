@@ -24,6 +24,16 @@ def all_gather(
     return _issued(work, async_op, out, inp)
 
 
+def all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool
+) -> dist.Work | None:
+    """Sum `tensor` in place across `group`; None: nothing to sum (one replica)."""
+    if group is None:
+        return None
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return _issued(work, async_op, tensor)
+
+
 def new_group_like(
     group: dist.ProcessGroup, timeout: datetime.timedelta, backend: str | None = None
 ) -> dist.ProcessGroup:

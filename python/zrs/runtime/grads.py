@@ -1,10 +1,11 @@
-"""Gradients: packed into buckets, reduce-scattered (mean over the ranks), accumulated into each
-parameter's `.grad`; the bucket being filled and the reduce-scatters in flight live in the
-model's `StepState` (`zrs.runtime.step`).
+"""Gradients: packed into buckets, reduce-scattered (mean over the ranks), all-reduced across
+the replicas under hybrid sharding, accumulated into each parameter's `.grad`; the bucket being
+filled and the reductions in flight live in the model's `StepState` (`zrs.runtime.step`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -12,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from zrs.runtime import streams
-from zrs.runtime.collectives import reduce_scatter
+from zrs.runtime.collectives import all_reduce, reduce_scatter
 from zrs.runtime.grad_store import Key
 from zrs.runtime.handles import ParamHandle, handles, local_tensor, names
 from zrs.runtime.state import ZeroState
@@ -60,7 +61,8 @@ class Reduce:
 
     def describe(self) -> str:
         hs = [h for h, _ in self.members]
-        return f"the gradient reduce-scatter of {names(hs)} in {self.state.graph_label(self.graph)}"
+        what = "reduce-scatter" if self.state.replicate_group is None else "reduction"
+        return f"the gradient {what} of {names(hs)} in {self.state.graph_label(self.graph)}"
 
 
 def reduce_scatter_full(h: ParamHandle, grad: torch.Tensor) -> torch.Tensor:
@@ -69,14 +71,14 @@ def reduce_scatter_full(h: ParamHandle, grad: torch.Tensor) -> torch.Tensor:
     packed = torch.empty(
         state.world_size, h.shard_numel, dtype=state.reduce_dtype, device=grad.device
     )
-    torch.ops.zrs.pack_grads(
-        [grad], state.world_size, [h.shard_numel], 1.0 / state.world_size, packed
-    )
+    torch.ops.zrs.pack_grads([grad], state.world_size, [h.shard_numel], state.grad_scale, packed)
     if not h.shape:
         _replicate_scalar(packed)
     out = torch.empty(h.shard_numel, dtype=state.reduce_dtype, device=grad.device)
     work = reduce_scatter(out, packed.view(-1), state.reduce_group, async_op=True)
     state.wait(work, lambda: f"the gradient reduce-scatter of `{h.name}`")
+    work = all_reduce(out, state.replicate_group, async_op=True)
+    state.wait(work, lambda: f"the gradient all-reduce across replicas of `{h.name}`")
     return out.to(h.source.dtype)
 
 
@@ -134,7 +136,7 @@ def reduce_grads(
             grads[i:end],
             state.world_size,
             [h.shard_numel for h in hs[i:end]],
-            1.0 / state.world_size,
+            state.grad_scale,
             cols,
         )
         for col in scalars:
@@ -172,9 +174,11 @@ def _flush(state: ZeroState) -> None:
         # Partly filled (unplanned gradients, or a plan the calls did not follow): the rows are
         # strided and the collective needs them packed, a copy of the whole bucket.
         packed = packed.narrow(1, 0, bucket.used).contiguous()
-    if state.world_size == 1:  # one rank: the packed bucket is the reduced gradient
-        reduced = Reduce(None, packed.view(-1), bucket.members, packed, region=bucket.region)
-        st.reducing.append(reduced)
+    if state.world_size == 1:  # one shard: the packed bucket is the reduced gradient
+        out = packed.view(-1)
+        # The replicas' all-reduce (none with one replica), from the compute stream that packed.
+        work = all_reduce(out, state.replicate_group, async_op=True)
+        st.reducing.append(Reduce(work, out, bucket.members, packed, region=bucket.region))
         return
     taken = _region(state, bucket.members[0][0], (bucket.used,), packed.device)
     region, out = taken if taken is not None else (None, None)
@@ -183,11 +187,28 @@ def _flush(state: ZeroState) -> None:
     side = state.reduce_stream
     if side is None:
         work = reduce_scatter(out, packed.view(-1), state.reduce_group, async_op=True)
+        if state.replicate_group is not None:
+            work = _all_reduce_after(state, work, out, bucket.members)
         st.reducing.append(Reduce(work, out, bucket.members, packed, region=region))
         return
     with streams.running_on(side) as done:
         reduce_scatter(out, packed.view(-1), state.reduce_group, async_op=False)
+        all_reduce(out, state.replicate_group, async_op=False)
     st.reducing.append(Reduce(None, out, bucket.members, packed, done[0], region))
+
+
+def _all_reduce_after(
+    state: ZeroState, first: dist.Work | None, out: torch.Tensor, members: list
+) -> dist.Work | None:
+    """Issue the replicas' all-reduce of `out` behind `first`, the reduce-scatter that writes it.
+    Beside a GPU it waits on a stream of its own, so that the compute stream goes on with the
+    backward; on the CPU (gloo) the host waits for the reduce-scatter first."""
+    stream = state.replicate_stream
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        state.wait(
+            first, lambda: f"the gradient reduce-scatter of {names([h for h, _ in members])}"
+        )
+        return all_reduce(out, state.replicate_group, async_op=True)
 
 
 def _region(

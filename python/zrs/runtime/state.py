@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.utils._pytree import tree_flatten
 
 from zrs._core import Registry, ZrsError
@@ -79,9 +80,15 @@ class ZeroState:
     gather_group: dist.ProcessGroup | None = None
     # The gradient reduce-scatters' own communicator over the same ranks (`new_group_like`).
     reduce_group: dist.ProcessGroup | None = None
-    # A gloo group over the ranks for the small host-side exchanges: the rank checks, the
-    # profile's agreement, the step check before each forward.
+    # A gloo group over the job's ranks (every replica's) for the small host-side exchanges:
+    # the rank checks, the profile's agreement, the step check before each forward.
     control_group: dist.ProcessGroup | None = None
+    # Hybrid sharding (a 2-D mesh, docs/hybrid.md): the gradient all-reduce's communicator over
+    # the ranks that hold this rank's shard in the other replicas (None: one replica), every
+    # rank of the job (checkpoints), and the mesh the parameters' DTensors live on.
+    replicate_group: dist.ProcessGroup | None = None
+    job_group: dist.ProcessGroup | None = None
+    device_mesh: DeviceMesh | None = None
     handles: list[ParamHandle] = field(default_factory=list)
     # id(shard) -> ds_id: traced gathers name their parameter by its shard (compiler/regions.py)
     ds_ids: dict[int, int] = field(default_factory=dict)
@@ -113,6 +120,11 @@ class ZeroState:
     # The parameters' DTensor mesh over `group` (None without torch.distributed: then each
     # parameter is the whole tensor).
     mesh: DeviceMesh | None = field(init=False)
+    replicas: int = field(init=False)  # the replicate group's size (1: no hybrid sharding)
+    # The stream each gradient all-reduce across replicas waits for its reduce-scatter on
+    # (CUDA with replicas; grads._all_reduce_after).
+    replicate_stream: torch.cuda.Stream | None = field(init=False)
+    job_rank: int = field(init=False)  # this rank in `job_group`
     # One rank: a gather that casts nothing is lowered to a view of the shard (compiler/zero3.py).
     # The compiler's tests turn it off to lower one process's graphs as several ranks' are. Not
     # with offload: the gather is where a stale device copy is made again from its master.
@@ -161,7 +173,29 @@ class ZeroState:
         self.mesh = (
             DeviceMesh.from_group(mesh_group, mesh_device) if mesh_group is not None else None
         )
+        if self.device_mesh is not None:
+            self.mesh = self.device_mesh
+        if self.job_group is None:
+            self.job_group = self.group
+        self.replicas = dist.get_world_size(self.replicate_group) if self.replicate_group else 1
+        self.replicate_stream = None
+        if self.replicas > 1 and self.device.type == "cuda":
+            self.replicate_stream = torch.cuda.Stream(self.device)
+        # This rank's place in the job: rank 0 of it alone writes what one rank writes.
+        self.job_rank = dist.get_rank(self.job_group) if self.job_group is not None else 0
         LIVE.add(self)
+
+    @property
+    def grad_scale(self) -> float:
+        """What each gradient is multiplied by before its reduce-scatter: the mean over every
+        rank of the job, the reduce-scatter and the replicas' all-reduce both summing."""
+        return 1.0 / (self.world_size * self.replicas)
+
+    def placements(self, dim: int) -> list[Placement]:
+        """A parameter's DTensor placements on `mesh`: its rows sharded, replicated across the
+        replicas; a 0-d parameter replicated."""
+        own: Placement = Shard(0) if dim else Replicate()
+        return [Replicate(), own] if self.device_mesh is not None else [own]
 
     # --- failures ---------------------------------------------------------------------------
 

@@ -208,7 +208,12 @@ class CapturedStep:
         if any(s.offload is not None for s in models):
             raise ZrsError(
                 f"{WHO} captures the optimizer step on the GPU; with offload it runs on "
-                "the host: step eagerly (call the step function without {WHO})"
+                f"the host: step eagerly (call the step function without {WHO})"
+            )
+        if any(s.replicas > 1 for s in models):
+            raise ZrsError(
+                f"{WHO} does not capture hybrid sharding's all-reduce across replicas yet (a "
+                f"2-D mesh): step eagerly (call the step function without {WHO})"
             )
         before = {id(s): (s.forwards, s.backwards) for s in models}
         for s in models:

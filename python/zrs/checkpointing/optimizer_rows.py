@@ -17,7 +17,7 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
@@ -56,7 +56,12 @@ def _rows_mark(h: ParamHandle, like: torch.Tensor) -> DTensor:
     local = torch.arange(first, first + h.local_shape[0], device=like.device).to(like.dtype)
     assert h.spec is not None
     return DTensor.from_local(
-        local, h.spec.mesh, [Shard(0)], run_check=False, shape=(h.shape[0],), stride=(1,)
+        local,
+        h.spec.mesh,
+        h.state.placements(1),
+        run_check=False,
+        shape=(h.shape[0],),
+        stride=(1,),
     )
 
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zrs._core import Registry, ZrsError
-from zrs.prepare.mesh import Topology, world_size
+from zrs.prepare.mesh import REPLICATE_DIM, SHARD_DIM, Topology, world_size
 from zrs.prepare.options import Precision
 from zrs.runtime.collectives import new_group_like
 from zrs.runtime.exchange import Peers, group_timeout
@@ -141,13 +141,16 @@ class Links:
         exchanges."""
         group = self.gather_group
         assert group is not None
+        rows = self.topology.family(SHARD_DIM)
         if group_timeout(group) != self.timeout:
-            self.gather_group = new_group_like(group, self.timeout)
+            self.gather_group = new_group_like(group, self.timeout, family=rows)
         self.reduce_group = self.gather_group
         if separate_reduce_communicator:
-            self.reduce_group = new_group_like(group, self.timeout)
-        if self.topology.replicas > 1:
-            self.replicate_group = new_group_like(self.topology.replicate, self.timeout)
+            self.reduce_group = new_group_like(group, self.timeout, family=rows)
+        replicate = self.topology.replicate
+        if replicate is not None and self.topology.replicas > 1:
+            columns = self.topology.family(REPLICATE_DIM)
+            self.replicate_group = new_group_like(replicate, self.timeout, family=columns)
         job = self.topology.job_group
         assert job is not None
         self.control_group = new_group_like(job, self.timeout, backend="gloo")

@@ -35,6 +35,14 @@ class Topology:
     def replicas(self) -> int:
         return dist.get_world_size(self.replicate) if self.replicate is not None else 1
 
+    def family(self, dim: str) -> list[list[int]] | None:
+        """The ranks of every group of the mesh's dimension `dim` (SHARD_DIM or REPLICATE_DIM),
+        which every rank makes communicators like; None without a 2-D mesh."""
+        if self.mesh is None:
+            return None
+        grid = self.mesh.mesh
+        return (grid if dim == SHARD_DIM else grid.T).tolist()
+
     @property
     def size(self) -> int:
         """Ranks that share the parameters (each holds one shard): the shard group's size."""

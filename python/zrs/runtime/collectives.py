@@ -35,23 +35,36 @@ def all_reduce(
 
 
 def new_group_like(
-    group: dist.ProcessGroup, timeout: datetime.timedelta, backend: str | None = None
+    group: dist.ProcessGroup,
+    timeout: datetime.timedelta,
+    backend: str | None = None,
+    family: list[list[int]] | None = None,
 ) -> dist.ProcessGroup:
     """Another communicator over `group`'s ranks (`backend`: the same as `group`'s by default)
-    whose collectives wait `timeout` for a peer. Only the group's members take part
-    (use_local_synchronization), so subgroups work too.
+    whose collectives wait `timeout` for a peer. `family`: the ranks of every group like
+    `group` (the rows of its mesh dimension, `group` among them), which every rank makes alike.
+
+    Where the groups cover the world, every rank makes each of them in the same order, and
+    torch names them by its running count of groups, the same on every rank. Otherwise only the
+    group's members take part (use_local_synchronization, so that subgroups work), and torch
+    names the group by a hash of its ranks and of how many groups each member belongs to: a
+    member that joined another subgroup before hashes another name, and both wait out the
+    timeout.
 
     The gradient reduce-scatters get one of their own: NCCL runs a communicator's collectives one
     after another on one stream, in issue order, and on one communicator a reduce-scatter queued
     behind the backward's prefetched all-gathers; the compute stream, which waits for the oldest
     reduce-scatter when a third bucket fills (grads.MAX_IN_FLIGHT_REDUCES), stalled with it
     (BENCHMARKS.md). The planner already models gathers and reduce-scatters on separate streams."""
-    return dist.new_group(
-        dist.get_process_group_ranks(group),
-        timeout=timeout,
-        backend=backend or dist.get_backend(group),
-        use_local_synchronization=True,
-    )
+    ranks = dist.get_process_group_ranks(group)
+    backend = backend or dist.get_backend(group)
+    family = family or [ranks]
+    if sorted(r for members in family for r in members) != list(range(dist.get_world_size())):
+        return dist.new_group(
+            ranks, timeout=timeout, backend=backend, use_local_synchronization=True
+        )
+    made = [dist.new_group(members, timeout=timeout, backend=backend) for members in family]
+    return next(g for g, members in zip(made, family, strict=True) if set(members) == set(ranks))
 
 
 def reduce_scatter(

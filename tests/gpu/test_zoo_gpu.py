@@ -83,6 +83,32 @@ def test_fp32_on_gpus_matches_reference(backend: str, model: str, side_streams: 
     group.check(per_rank, problems, key)
 
 
+@pytest.mark.parametrize(
+    ("kind", "backend", "model", "side_streams"),
+    group.HYBRID,
+    ids=[f"{k}-{b}-{m}" + ("-side-streams" if s else "") for k, b, m, s in group.HYBRID],
+)
+def test_hybrid_on_gpus_matches_reference(
+    kind: str, backend: str, model: str, side_streams: bool
+) -> None:
+    """mesh= a 2-D DeviceMesh: sharded within each replica, the gradients all-reduced across
+    them; the reference averages every rank's gradients, as HSDP does."""
+    hybrid = group.hybrid_case(kind, backend, model, side_streams)
+    if hybrid is None:
+        pytest.skip(f"the {kind} mesh needs an even number of GPUs, 4 or more")
+    per_rank = group.outcome(hybrid.key)
+    problems = fp32_problems(
+        per_rank,
+        ZOO[model],
+        group.reference(model),
+        rtol=RTOL,
+        atol=ATOL,
+        loss_rtol=LOSS_RTOL,
+        loss_atol=LOSS_ATOL,
+    )
+    group.check(per_rank, problems, hybrid.key)
+
+
 @pytest.mark.parametrize("model", group.BF16_MODELS)
 def test_bf16_on_gpus_matches_autocast_reference(model: str) -> None:
     key = group.bf16_case(model).key

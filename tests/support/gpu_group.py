@@ -13,6 +13,8 @@ each rank its own batches, SGD with momentum), 3 steps, fp32 with TF32 off unles
 * bf16 compute over fp32 masters (`BF16_MODELS`) against the bf16-autocast reference, and bf16
   masters (`MASTER_APIS`) against the model trained unsharded in bf16;
 * offload="optimizer" (`offload_cases`): fp32, clipped, bf16, compiled layers and zrs.compile;
+* hybrid sharding (`HYBRID`, mesh= a 2-D DeviceMesh): shards alone (1 x world), replicas alone
+  (world x 1), and at 4 GPUs or more both (2 x world/2, contiguous and strided shard groups);
 * a DCP checkpoint (PyTorch's recipe) of GPT-2 after 2 steps, saved by every rank under a
   directory of the parent's; the parent loads it in one process (tests/gpu/test_checkpoint_gpu.py);
 * zrs.GraphedStep (`GRAPHED`) with and without CUDA graphs, 7 steps through a non-finite one,
@@ -85,6 +87,18 @@ MASTER_MODEL, MASTER_APIS = "gpt_tied", ("inductor", "shard")
 # inductor (its graphs gather from the device copies) in bf16 and overlapped with a clip;
 # offload="params" on both APIs.
 OFFLOAD_MODELS, OFFLOAD_CLIP = ("gpt_tied", "frozen", "bias_stack"), ("gpt_tied", 0.05)
+# Hybrid sharding: (mesh kind, zrs api, zoo model, side streams), the mesh made for the group's
+# world W by `hybrid_mesh`: "shards" 1xW, "replicas" Wx1 (the gradient all-reduce alone), "both"
+# 2x(W/2) and "both-strided" its shard groups of every other rank (W >= 4, even).
+HYBRID = (
+    ("shards", "inductor", "gpt_tied", False),
+    ("replicas", "shard", "bias_stack", False),
+    ("replicas", "inductor", "used_twice", False),
+    ("replicas", "shard", "gpt_tied", True),
+    ("both", "inductor", "gpt_tied", False),
+    ("both", "shard", "bias_stack", True),
+    ("both-strided", "shard", "mlp", False),
+)
 # The checkpoint: (model, zrs backend, optimizer), trained CHECKPOINT_STEPS steps, then saved.
 CHECKPOINT_RUN, CHECKPOINT_STEPS = ("hf_gpt2", "eager", "sgd"), 2
 CHECKPOINT_KEY = "checkpoint-dcp"
@@ -169,9 +183,26 @@ def offload_cases() -> list[Case]:
     return [*fp32, clipped, bf16, units, accumulated, *overlapped, *compiled, *staged]
 
 
+def hybrid_mesh(kind: str, size: int) -> str | None:
+    """The `Case.mesh` of a HYBRID kind at `size` GPUs; None where it needs more."""
+    if kind == "shards":
+        return f"1x{size}"
+    if kind == "replicas":
+        return f"{size}x1"
+    if size < 4 or size % 2:
+        return None
+    return f"2x{size // 2}" + ("-strided" if kind.endswith("strided") else "")
+
+
+def hybrid_case(kind: str, backend: str, model: str, side_streams: bool) -> Case | None:
+    mesh = hybrid_mesh(kind, world())
+    return None if mesh is None else case(model, backend, comm_streams=side_streams, mesh=mesh)
+
+
 def all_cases() -> list[Case]:
     bf16 = [bf16_case(m) for m in BF16_MODELS]
-    return fp32_cases() + bf16 + [master_case(a) for a in MASTER_APIS] + offload_cases()
+    hybrid = [c for c in (hybrid_case(*h) for h in HYBRID) if c is not None]
+    return fp32_cases() + bf16 + [master_case(a) for a in MASTER_APIS] + offload_cases() + hybrid
 
 
 def graphed_key(config: tuple[str, ...], graphs: bool) -> str:

@@ -334,3 +334,29 @@ def test_with_params_offload_each_gather_stages_its_shard_in_until_its_wait():
     slow = zplan.plan(ir, "greedy", cost=cost)
     fast = zplan.plan(plain, "greedy", cost=cost)
     assert slow["makespan_us"] > 10 * fast["makespan_us"]
+
+
+def test_with_replicas_each_reduce_scatter_all_reduces_its_shard_across_them(tmp_path):
+    """Hybrid sharding: each reduce-scatter's shard of the gradient (one world-th of its bytes)
+    is all-reduced across the replicas after it (replicate_bytes); nothing else in the IR
+    changes, and the plan's step grows by the all-reduces, on a thread of their own in the
+    trace."""
+    graph = lowered("conv_bn")[1]
+    plain, _ = fx_ir.build_ir(graph, world=2, is_backward=True)
+    ir, _ = fx_ir.build_ir(graph, world=2, is_backward=True, replicas=4)
+    pairs = list(zip(plain["nodes"], ir["nodes"], strict=True))
+    reduces = [(p, n) for p, n in pairs if n["kind"] == "reduce_scatter" and n["bytes"]]
+    assert reduces and all(n["replicate_bytes"] == -(-n["bytes"] // 2) for _, n in reduces)
+    assert all(n == p for p, n in pairs if n["kind"] != "reduce_scatter")
+    cost = zplan.cost_model("nvlink", 2)
+    slow = zplan.cost_model("nop2p", 2)
+    one = zplan.plan(ir, "greedy", cost=cost)
+    hybrid = zplan.plan(ir, "greedy", cost={**cost, "replicas": 4, "inter": slow["allgather"]})
+    assert hybrid["makespan_us"] > one["makespan_us"]
+    assert one["makespan_us"] == zplan.plan(plain, "greedy", cost=cost)["makespan_us"]
+    path = tmp_path / "plan.trace.json"
+    zplan.write_trace(ir, str(path), "greedy", None, json.dumps({**cost, "replicas": 4}))
+    events = json.loads(path.read_text())["traceEvents"]
+    threads = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert "all_reduce" in threads
+    assert sum(e.get("cat") == "all_reduce" for e in events) == len(reduces)

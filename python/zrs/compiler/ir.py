@@ -6,7 +6,8 @@ graph's order, but for the unread symbolic inputs that only some ranks have
   ``dtype``: the gathered dtype, which the planner fuses only with its like);
   ``wait_allgather`` -> ``wait``; ``release_param`` -> ``release``; ``reduce_grad`` ->
   ``reduce_scatter`` (``bytes``: the full gradient in the reduce dtype; with offload,
-  ``host_bytes``: this rank's shard of it copied to the host after); ``prefetch_params_fused``,
+  ``host_bytes``: this rank's shard of it copied to the host after; with hybrid sharding,
+  ``replicate_bytes``: that shard, all-reduced across the replicas); ``prefetch_params_fused``,
   ``end_backward``, placeholders, the output, ``getitem`` and views -> ``other`` (no time);
   every other node -> ``compute``.
 * **Durations** (``estimate_us``) are analytic: ``floor + max(flops / FLOPS, bytes / BW)``,
@@ -339,6 +340,7 @@ def build_ir(
     hints: SizeHints | None = None,
     host_copies: bool = False,
     staged: bool = False,
+    replicas: int = 1,
 ) -> tuple[dict[str, Any], list[fx.Node]]:
     """The planner IR of a lowered graph, and the FX node behind each IR index.
 
@@ -349,6 +351,8 @@ def build_ir(
     (offload): each reduce-scatter's shard of the gradient then goes to the host as an fp32
     master's gradient (``host_bytes``). ``staged`` (offload="params"): each all-gather first
     copies its shard in from the host (``host_bytes``), held from the gather to its wait.
+    ``replicas`` (hybrid sharding): each reduce-scatter's shard is then all-reduced across them
+    (``replicate_bytes``).
     """
     hints = hints or {}
     local = rank_local_inputs(graph)  # unread inputs some ranks lack: every rank's IR alike
@@ -381,6 +385,9 @@ def build_ir(
             spec["bytes"] = numel * (reduce_dtype or grad.dtype).itemsize if numel else 0
             if host_copies and numel:
                 spec["host_bytes"] = -(-numel // max(world, 1)) * 4  # this rank's fp32 rows
+            if replicas > 1 and numel:
+                itemsize = (reduce_dtype or grad.dtype).itemsize
+                spec["replicate_bytes"] = -(-numel // max(world, 1)) * itemsize
         elif kind == "compute":
             us = durations.get(n.name) if durations is not None else None
             spec["duration_us"] = (

@@ -129,6 +129,7 @@ def plan_context(state: ZeroState, record: Record | None = None, warm: bool = Fa
         cost=state.cost_model,
         host_copies=state.offload is not None,
         staged=state.offload is not None and state.offload.params,
+        replicas=state.replicas,
         profile=profile,
         reduce_dtype=state.reduce_dtype,
         record=record,

@@ -58,6 +58,9 @@ class PlanContext:
     host_copies: bool = False
     # offload="params": each all-gather stages its shard in from the host first.
     staged: bool = False
+    # Hybrid sharding: each reduce-scatter's shard is then all-reduced across this many
+    # replicas (the IR's `replicate_bytes`, the cost model's `replicas`).
+    replicas: int = 1
     # Time the lowered graph's compute nodes once on real tensors (`zrs.compiler.profile`) on
     # `device`.
     profile: bool = False
@@ -75,9 +78,14 @@ class PlanContext:
 
     def collective_cost(self) -> str:
         """The collectives' cost model (JSON) the planner plans with: the measured (else the
-        device's default) one, with zrs-core's planning margin when there is more than one rank."""
+        device's default) one, with zrs-core's planning margin when there is more than one rank,
+        and the replicas its all-reduces span. The link between replicas is not measured yet:
+        zrs-core's all-reduce then runs at the reduce-scatter's link."""
         cost = json.dumps(self.cost, sort_keys=True) if isinstance(self.cost, dict) else self.cost
-        return _core.planning_cost(cost, self.device_type, self.world)
+        planned = _core.planning_cost(cost, self.device_type, self.world)
+        if self.replicas > 1:
+            planned = json.dumps({**json.loads(planned), "replicas": self.replicas})
+        return planned
 
     def key(self) -> str:
         """What the plan depends on besides the graph: part of inductor's FX cache key."""
@@ -190,6 +198,7 @@ def plan_graph(
         hints=hints,
         host_copies=ctx.host_copies,
         staged=ctx.staged,
+        replicas=ctx.replicas,
     )
     trace = bool(ctx.trace_dir) and ctx.rank == 0
     try:

@@ -109,6 +109,7 @@ fn random_graph(seed: u64, n_compute: usize) -> GraphSpec {
                 bytes: 1 + r.below(1000),
                 free_bytes: Some(r.below(100)),
                 host_bytes: if r.chance(50) { 1 + r.below(500) } else { 0 },
+                replicate_bytes: if r.chance(50) { 1 + r.below(500) } else { 0 },
                 ..NodeSpec::new(format!("rs{i}"), NodeKind::ReduceScatter)
             });
         }
@@ -168,7 +169,8 @@ fn random_plan(g: &Graph, seed: u64) -> (Vec<u32>, Vec<Vec<u32>>) {
     (order, groups)
 }
 
-/// The NVLink preset, slow links, or slow links with a slow host link (offload's copies).
+/// The NVLink preset, slow links, or slow links with a slow host link (offload's copies) and
+/// three replicas over a slow link between them (hybrid sharding's all-reduces).
 fn cost(seed: u64) -> CostModel {
     if seed.is_multiple_of(3) {
         CostModel::nvlink(2)
@@ -177,6 +179,11 @@ fn cost(seed: u64) -> CostModel {
             host: Some(LinkModel {
                 latency_us: 5.0,
                 bus_gbps: 0.002,
+            }),
+            replicas: 3,
+            inter: Some(LinkModel {
+                latency_us: 10.0,
+                bus_gbps: 0.004,
             }),
             ..cost(1)
         }
@@ -193,6 +200,8 @@ fn cost(seed: u64) -> CostModel {
                 bus_gbps: 0.005,
             },
             host: None,
+            replicas: 1,
+            inter: None,
         }
     }
 }

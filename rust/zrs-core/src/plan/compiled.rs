@@ -49,6 +49,8 @@ pub fn default_cost(device_type: &str, world: u32) -> CostModel {
             allgather: CPU_GLOO_LINK,
             reduce_scatter: CPU_GLOO_LINK,
             host: None,
+            replicas: 1,
+            inter: None,
         }
     }
 }
@@ -76,6 +78,8 @@ pub fn planning_margin(cost: &CostModel, world: u32) -> CostModel {
         allgather: derate(&cost.allgather),
         reduce_scatter: derate(&cost.reduce_scatter),
         host: cost.host,
+        replicas: cost.replicas,
+        inter: cost.inter.as_ref().map(derate),
     }
 }
 

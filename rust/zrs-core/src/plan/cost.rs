@@ -189,6 +189,21 @@ pub struct CostModel {
     /// The device-to-host copy of offload's gradients, if measured.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host: Option<LinkModel>,
+    /// Hybrid sharding: the replicas each gradient shard is all-reduced across (1: none).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub replicas: u32,
+    /// The link between replicas (between nodes), if known; the reduce-scatter's link stands
+    /// in for it otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inter: Option<LinkModel>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn is_one(v: &u32) -> bool {
+    *v == 1
 }
 
 impl CostModel {
@@ -202,6 +217,8 @@ impl CostModel {
             reduce_scatter: LinkModel::fit(&NVLINK_2XH200_REDUCE_SCATTER, MEASURED_WORLD)
                 .expect("measured fit"),
             host: None,
+            replicas: 1,
+            inter: None,
         }
     }
 
@@ -215,6 +232,8 @@ impl CostModel {
             reduce_scatter: LinkModel::fit(&NOP2P_2XH200_REDUCE_SCATTER, MEASURED_WORLD)
                 .expect("measured fit"),
             host: None,
+            replicas: 1,
+            inter: None,
         }
     }
 
@@ -245,6 +264,8 @@ impl CostModel {
             allgather: LinkModel::fit(allgather, world)?,
             reduce_scatter: LinkModel::fit(reduce_scatter, world)?,
             host: None,
+            replicas: 1,
+            inter: None,
         })
     }
 
@@ -263,6 +284,7 @@ impl CostModel {
             ("allgather", Some(&m.allgather)),
             ("reduce_scatter", Some(&m.reduce_scatter)),
             ("host", m.host.as_ref()),
+            ("inter", m.inter.as_ref()),
         ];
         for (what, l) in links.iter().filter_map(|(w, l)| l.map(|l| (w, l))) {
             if !(l.latency_us.is_finite()
@@ -276,7 +298,7 @@ impl CostModel {
                 )));
             }
         }
-        if m.world == 0 {
+        if m.world == 0 || m.replicas == 0 {
             return Err(Error::InvalidWorldSize(0));
         }
         Ok(m)
@@ -294,6 +316,18 @@ impl CostModel {
     #[inline]
     pub fn reduce_scatter_us(&self, bytes: u64) -> f64 {
         self.reduce_scatter.time_us(bytes, self.world)
+    }
+
+    /// The ring all-reduce of `bytes` (one reduced shard) across the replicas: a reduce-scatter
+    /// and an all-gather of it, 2 (r - 1) / r of the bytes each way, over the `inter` link (the
+    /// reduce-scatter's where none is known). 0 with one replica.
+    #[inline]
+    pub fn all_reduce_us(&self, bytes: u64) -> f64 {
+        if bytes == 0 || self.replicas <= 1 {
+            return 0.0;
+        }
+        let link = self.inter.as_ref().unwrap_or(&self.reduce_scatter);
+        link.latency_us + 2.0 * bytes as f64 * ring_factor(self.replicas) / (link.bus_gbps * 1e3)
     }
 
     /// The host copy of `bytes` after a reduce-scatter; 0 without a host link.

@@ -19,6 +19,10 @@
 //!   its reduce-scatter is waited for). The graph ends no earlier than its last copy (the
 //!   backward's end waits for them), so a copy tail is exposed too; the copies take no device
 //!   memory the graph accounts for.
+//! - Hybrid sharding: a reduce-scatter with `replicate_bytes` is followed by the all-reduce of
+//!   its output across the replicas on a stream of its own (a communicator over other ranks), in
+//!   the order the reduce-scatters end; offload's host copy then follows the all-reduce. The
+//!   graph ends no earlier than its last all-reduce.
 //! - Offload of the parameters: an all-gather with `host_bytes` first copies its shard in from
 //!   the host on its own stream (the runtime stages it there), so its time is the copy's and
 //!   the gather's; the staged bytes are in its `alloc` and its wait's `free` (compiler/ir.py).
@@ -38,6 +42,8 @@ pub struct Problem<'a> {
     pub dur: Vec<f64>,
     /// Duration of each reduce-scatter's copy to the host (0: none).
     pub host_dur: Vec<f64>,
+    /// Duration of each reduce-scatter's all-reduce across the replicas (0: none).
+    pub replicate_dur: Vec<f64>,
 }
 
 impl<'a> Problem<'a> {
@@ -62,11 +68,20 @@ impl<'a> Problem<'a> {
                 _ => 0.0,
             })
             .collect();
+        let replicate_dur = g
+            .nodes
+            .iter()
+            .map(|n| match n.kind {
+                NodeKind::ReduceScatter => cost.all_reduce_us(n.replicate_bytes),
+                _ => 0.0,
+            })
+            .collect();
         Problem {
             g,
             cost: cost.clone(),
             dur,
             host_dur,
+            replicate_dur,
         }
     }
 
@@ -110,6 +125,10 @@ pub struct SimResult {
     pub host_copy_busy_us: f64,
     pub host_start_us: Vec<f64>,
     pub host_end_us: Vec<f64>,
+    /// Hybrid sharding: the all-reduce stream's busy time, and each reduce-scatter's all-reduce.
+    pub all_reduce_busy_us: f64,
+    pub all_reduce_start_us: Vec<f64>,
+    pub all_reduce_end_us: Vec<f64>,
     pub peak_bytes: u64,
     /// Memory live after the last node.
     pub end_bytes: i64,
@@ -236,6 +255,11 @@ pub fn simulate_unchecked(
     let mut host_end = vec![0.0f64; n];
     let mut host_free = 0.0f64;
     let mut host_busy = 0.0f64;
+    // Hybrid sharding's all-reduces across the replicas: one stream, in the same order.
+    let mut ar_start = vec![0.0f64; n];
+    let mut ar_end = vec![0.0f64; n];
+    let mut ar_free = 0.0f64;
+    let mut ar_busy = 0.0f64;
     for &v in order {
         let vi = v as usize;
         if done[vi] {
@@ -297,9 +321,20 @@ pub fn simulate_unchecked(
             alloc = node.alloc;
             freed = node.free;
             makespan = makespan.max(en);
+            let mut reduced = en;
+            let all_reduce = p.replicate_dur[vi];
+            if all_reduce > 0.0 {
+                let s = en.max(ar_free);
+                ar_start[vi] = s;
+                ar_end[vi] = s + all_reduce;
+                ar_free = s + all_reduce;
+                ar_busy += all_reduce;
+                reduced = ar_free;
+                makespan = makespan.max(ar_free);
+            }
             let copy = p.host_dur[vi];
             if copy > 0.0 {
-                let hs = en.max(host_free);
+                let hs = reduced.max(host_free);
                 host_start[vi] = hs;
                 host_end[vi] = hs + copy;
                 host_free = hs + copy;
@@ -329,6 +364,9 @@ pub fn simulate_unchecked(
         host_copy_busy_us: host_busy,
         host_start_us: host_start,
         host_end_us: host_end,
+        all_reduce_busy_us: ar_busy,
+        all_reduce_start_us: ar_start,
+        all_reduce_end_us: ar_end,
         peak_bytes: peak.max(0) as u64,
         end_bytes: cur,
         start_us: start,
@@ -399,6 +437,54 @@ mod tests {
             prev = vec![op];
         }
         Graph::new(s).unwrap()
+    }
+
+    #[test]
+    fn a_replicated_reduce_scatter_all_reduces_its_shard_after_it_on_one_stream() {
+        let mut spec = backward(0).to_spec();
+        for n in spec.nodes.iter_mut() {
+            if n.kind == NodeKind::ReduceScatter {
+                n.replicate_bytes = 1_000_000;
+            }
+        }
+        let g = Graph::new(spec).unwrap();
+        let order: Vec<u32> = (0..g.len() as u32).collect();
+        let one = simulate(&Problem::new(&g, &cost(None)), &order, &[]).unwrap();
+        assert_eq!(one.all_reduce_busy_us, 0.0, "one replica: no all-reduce");
+        let inter = LinkModel {
+            latency_us: 5.0,
+            bus_gbps: 1.0,
+        };
+        let hybrid = CostModel {
+            replicas: 4,
+            inter: Some(inter),
+            ..cost(Some(HOST))
+        };
+        let r = simulate(&Problem::new(&g, &hybrid), &order, &[]).unwrap();
+        let (rs0, rs1) = (1, 3);
+        // ring all-reduce over 4 replicas: 2 x 3/4 of 1 MB at 1 GB/s, plus the latency
+        let each = 5.0 + 1500.0;
+        assert_eq!(r.all_reduce_start_us[rs0], r.end_us[rs0]);
+        assert!((r.all_reduce_end_us[rs0] - r.all_reduce_start_us[rs0] - each).abs() < 1e-9);
+        assert_eq!(r.all_reduce_start_us[rs1], r.all_reduce_end_us[rs0]);
+        assert!((r.all_reduce_busy_us - 2.0 * each).abs() < 1e-9);
+        // the gradients' host copies (none here) and the graph's end follow the all-reduces
+        assert_eq!(r.makespan_us, r.all_reduce_end_us[rs1]);
+        assert!(r.exposed_comm_us > one.exposed_comm_us + each);
+        // without an inter link the reduce-scatter's stands in
+        let intra = CostModel {
+            replicas: 4,
+            ..cost(None)
+        };
+        assert!(intra.all_reduce_us(1_000_000) > 0.0);
+        assert!(intra.all_reduce_us(1_000_000) < hybrid.all_reduce_us(1_000_000));
+    }
+
+    #[test]
+    fn replicate_bytes_belong_to_reduce_scatters_only() {
+        let mut spec = backward(0).to_spec();
+        spec.nodes[0].replicate_bytes = 8;
+        assert!(Graph::new(spec).is_err());
     }
 
     fn cost(host: Option<LinkModel>) -> CostModel {

@@ -15,8 +15,10 @@ pub fn memory_series(plan: &Plan) -> Vec<(f64, i64)> {
         .collect()
 }
 
-/// The thread of offload's copies to the host, after the streams'.
+/// The thread of offload's copies to the host, after the streams', and hybrid sharding's
+/// all-reduces across the replicas after it.
 const HOST_COPY_TID: usize = Stream::ALL.len();
+const ALL_REDUCE_TID: usize = Stream::ALL.len() + 1;
 
 /// One complete ("X") event per node (one per fused bucket), one thread per stream (and one for
 /// offload's copies to the host, if any), and a counter ("C") track of live memory.
@@ -29,10 +31,15 @@ pub fn chrome_trace(g: &Graph, plan: &Plan) -> Value {
         ev.push(json!({"ph": "M", "pid": pid, "tid": s.index(), "name": "thread_name", "args": {"name": s.as_str()}}));
         ev.push(json!({"ph": "M", "pid": pid, "tid": s.index(), "name": "thread_sort_index", "args": {"sort_index": s.index()}}));
     }
-    if plan.sim.host_copy_busy_us > 0.0 {
-        let tid = HOST_COPY_TID;
-        ev.push(json!({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": "host_copy"}}));
-        ev.push(json!({"ph": "M", "pid": pid, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}}));
+    let extra = [
+        (plan.sim.host_copy_busy_us, HOST_COPY_TID, "host_copy"),
+        (plan.sim.all_reduce_busy_us, ALL_REDUCE_TID, "all_reduce"),
+    ];
+    for (busy, tid, name) in extra {
+        if busy > 0.0 {
+            ev.push(json!({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}}));
+            ev.push(json!({"ph": "M", "pid": pid, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}}));
+        }
     }
     let n = g.len();
     let mut group_of = vec![NONE; n];
@@ -81,6 +88,17 @@ pub fn chrome_trace(g: &Graph, plan: &Plan) -> Value {
             json!({"ph": "X", "pid": pid, "tid": node.stream.index(), "ts": ts, "dur": te - ts,
             "name": g.names[vi], "cat": node.kind.as_str(), "args": args}),
         );
+        let (rs, re) = (
+            plan.sim.all_reduce_start_us[vi],
+            plan.sim.all_reduce_end_us[vi],
+        );
+        if re > rs {
+            ev.push(
+                json!({"ph": "X", "pid": pid, "tid": ALL_REDUCE_TID, "ts": rs, "dur": re - rs,
+                "name": format!("{} across replicas", g.names[vi]), "cat": "all_reduce",
+                "args": {"bytes": node.replicate_bytes}}),
+            );
+        }
         let (hs, he) = (plan.sim.host_start_us[vi], plan.sim.host_end_us[vi]);
         if he > hs {
             ev.push(
@@ -101,6 +119,7 @@ pub fn chrome_trace(g: &Graph, plan: &Plan) -> Value {
             "makespan_us": plan.sim.makespan_us,
             "exposed_comm_us": plan.sim.exposed_comm_us,
             "host_copy_busy_us": plan.sim.host_copy_busy_us,
+            "all_reduce_busy_us": plan.sim.all_reduce_busy_us,
             "peak_bytes": plan.sim.peak_bytes,
             "budget_bytes": plan.budget_bytes,
         }

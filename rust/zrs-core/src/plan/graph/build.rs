@@ -78,6 +78,13 @@ impl Graph {
                     ns.name
                 )));
             }
+            if ns.replicate_bytes > 0 && ns.kind != NodeKind::ReduceScatter {
+                return Err(Error::Invalid(format!(
+                    "node '{}' (#{i}) has replicate_bytes, but only a reduce_scatter's output is \
+                     all-reduced across the replicas",
+                    ns.name
+                )));
+            }
             let alloc = match ns.alloc_bytes {
                 Some(a) => a,
                 None if ns.kind == NodeKind::Allgather => ns.bytes,
@@ -100,6 +107,7 @@ impl Graph {
                 bytes: ns.bytes,
                 dtype,
                 host_bytes: ns.host_bytes,
+                replicate_bytes: ns.replicate_bytes,
             });
         }
         // Users (CSR).
@@ -258,6 +266,7 @@ impl Graph {
                         bytes: n.bytes,
                         dtype: n.dtype.map(|k| self.dtypes[k as usize].clone()),
                         host_bytes: n.host_bytes,
+                        replicate_bytes: n.replicate_bytes,
                     }
                 })
                 .collect(),

@@ -53,6 +53,9 @@ pub struct Node {
     pub dtype: Option<u32>,
     /// Bytes copied to the host after a reduce-scatter (offload), 0 for none.
     pub host_bytes: u64,
+    /// Bytes all-reduced across the replicas after a reduce-scatter (hybrid sharding), 0 for
+    /// none.
+    pub replicate_bytes: u64,
 }
 
 /// A validated, indexed graph: deps and users in CSR form, a topological order, and for every

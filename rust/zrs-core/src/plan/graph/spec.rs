@@ -100,6 +100,10 @@ pub struct NodeSpec {
     /// stream just before it. 0 for none.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub host_bytes: u64,
+    /// Hybrid sharding: on a reduce-scatter, the bytes of this rank's reduced shard that are
+    /// then all-reduced across the replicas (the replicate group). 0 for none.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub replicate_bytes: u64,
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -120,6 +124,7 @@ impl NodeSpec {
             bytes: 0,
             dtype: None,
             host_bytes: 0,
+            replicate_bytes: 0,
         }
     }
 }

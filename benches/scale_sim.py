@@ -14,7 +14,14 @@ The cost model per world size W (ring all-gather and reduce-scatter, `docs/plann
   * latency(W) = (W - 1) x the measured 2-rank latency: a ring takes W - 1 steps.
 The memory budget is the greedy schedule's peak (the search must win within the same memory).
 
+`--hybrid`: full sharding over every rank against hybrid sharding (HSDP, docs/hybrid.md) at each
+world W, in nodes of 8: sharded over the 8 GPUs of a node (NVLink, the W = 8 model above) and
+replicated across the W / 8 nodes, each reduce-scatter's shard then all-reduced between the
+nodes (a ring of 2 (r - 1) steps at 50 GB/s per GPU, the same per-step latency). One JSON line
+per (preset, world, layout), the search's plan.
+
     python benches/scale_sim.py [--worlds 2,4,8,64] [--presets 1b,7b] [--out FILE]
+    python benches/scale_sim.py --hybrid --worlds 64,512 --presets 7b,70b [--out FILE]
 """
 
 from __future__ import annotations
@@ -44,6 +51,53 @@ def ring_cost(world: int) -> dict[str, Any]:
         bus = link["bus_gbps"] if world <= GPUS_PER_NODE else INTERNODE_BUS_GBPS
         out[kind] = {"latency_us": link["latency_us"] * (world - 1), "bus_gbps": bus}
     return out
+
+
+def hybrid_cost(world: int) -> dict[str, Any]:
+    """Sharded within a node (NVLink), all-reduced across the world / 8 nodes."""
+    replicas = world // GPUS_PER_NODE
+    latency = zplan.cost_model("nvlink", 2)["reduce_scatter"]["latency_us"]
+    inter = {"latency_us": latency * 2 * (replicas - 1), "bus_gbps": INTERNODE_BUS_GBPS}
+    return {
+        **ring_cost(GPUS_PER_NODE),
+        "name": f"hsdp_{GPUS_PER_NODE}x{replicas}",
+        "replicas": replicas,
+        "inter": inter,
+    }
+
+
+def replicated(graph: dict[str, Any], shards: int) -> dict[str, Any]:
+    """`graph` with each reduce-scatter's shard all-reduced across the replicas after it."""
+    for node in graph["nodes"]:
+        if node["kind"] == "reduce_scatter" and node.get("bytes"):
+            node["replicate_bytes"] = -(-node["bytes"] // shards)
+    return graph
+
+
+def simulate_hybrid(preset: str, world: int) -> list[dict[str, Any]]:
+    """Full sharding over `world` ranks and HSDP (8 shards x world / 8 replicas): the search's
+    step, compute and exposed communication of each."""
+    layouts = {
+        "full": (zplan.synthetic(0, preset, world), ring_cost(world)),
+        "hsdp": (
+            replicated(zplan.synthetic(0, preset, GPUS_PER_NODE), GPUS_PER_NODE),
+            hybrid_cost(world),
+        ),
+    }
+    rows = []
+    for layout, (graph, cost) in layouts.items():
+        plan = zplan.compare(graph, None, cost)["search"]
+        rows.append(
+            {
+                "preset": preset,
+                "world": world,
+                "layout": layout,
+                "cost_model": cost,
+                **{k: round(plan[k], 3) for k in ("compute_ms", "makespan_ms", "exposed_comm_ms")},
+                "peak_GiB": round(plan["peak_bytes"] / 2**30, 2),
+            }
+        )
+    return rows
 
 
 def simulate(preset: str, world: int) -> dict[str, Any]:
@@ -80,7 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worlds", default="2,4,8,64")
     p.add_argument("--presets", default="1b,7b")
     p.add_argument("--out", type=Path, help="append the JSON lines to this file")
+    p.add_argument("--hybrid", action="store_true", help="full sharding against HSDP")
     args = p.parse_args(argv)
+    if args.hybrid:
+        return _hybrid(args, argv)
     rows = []
     for preset in args.presets.split(","):
         for world in (int(w) for w in args.worlds.split(",")):
@@ -103,6 +160,28 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"| {r['preset']} | {r['world']} | {s['compute_ms']:.1f} | {g['makespan_ms']:.1f} | "
             f"{g['exposed_comm_ms']:.1f} | {s['makespan_ms']:.1f} | {s['exposed_comm_ms']:.1f} |"
+        )
+    return 0
+
+
+def _hybrid(args: argparse.Namespace, argv: list[str] | None) -> int:
+    rows = []
+    for preset in args.presets.split(","):
+        for world in (int(w) for w in args.worlds.split(",")):
+            for row in simulate_hybrid(preset, world):
+                row["command"] = "python benches/scale_sim.py " + " ".join(argv or [])
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    if args.out:
+        with args.out.open("a") as fh:
+            fh.writelines(json.dumps(row) + "\n" for row in rows)
+    print()
+    print("| preset | GPUs | layout | compute ms | step ms | exposed comm ms | peak GiB |")
+    print("|---|---:|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['preset']} | {r['world']} | {r['layout']} | {r['compute_ms']:.1f} | "
+            f"{r['makespan_ms']:.1f} | {r['exposed_comm_ms']:.1f} | {r['peak_GiB']:.2f} |"
         )
     return 0
 

@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument(
         "--synthetic", type=int, metavar="N", help="a synthetic transformer graph of about N nodes"
     )
-    ap.add_argument("--preset", default="1b", help="synthetic model preset: 1b, 7b, tiny")
+    ap.add_argument("--preset", default="1b", help="synthetic model preset: 1b, 7b, 70b, tiny")
     ap.add_argument("--world", type=int, default=2, help="data-parallel ranks (synthetic)")
     ap.add_argument(
         "--cost", default=None, help="nvlink (default), nop2p, or a cost-model JSON file"

@@ -278,6 +278,7 @@ pub fn compare_json(graph_json: &str, budget: Option<u64>, cost: Option<&str>) -
             "peak_bytes": p.sim.peak_bytes,
             "exposed_comm_ms": p.sim.exposed_comm_us / 1e3,
             "compute_ms": p.sim.compute_us / 1e3,
+            "all_reduce_busy_ms": p.sim.all_reduce_busy_us / 1e3,
             "groups": p.groups.len(),
             "within_budget": p.within_budget,
             "plan_ms": p.plan_us / 1e3,

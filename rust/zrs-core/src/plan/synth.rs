@@ -39,7 +39,8 @@ pub struct Preset {
 impl Preset {
     /// `"1b"`: 16 layers, dim 2048, FFN 5504, vocab 32000, seq 2048, micro-batch 4, bf16, on an
     /// H200-class GPU (700 TFLOP/s achieved). `"7b"`: 32 layers, dim 4096, FFN 11008, seq 4096,
-    /// micro-batch 1. `"tiny"`: a toy for tests.
+    /// micro-batch 1. `"70b"`: Llama-2-70B's 80 layers of 8192 and FFN 28672 (its attention
+    /// as full multi-head: 78 B parameters), seq 4096, micro-batch 1. `"tiny"`: a toy for tests.
     pub fn by_name(name: &str) -> Result<Self> {
         let base = Preset {
             name: "1b",
@@ -66,6 +67,15 @@ impl Preset {
                 micro_batch: 1,
                 ..base
             }),
+            "70b" => Ok(Preset {
+                name: "70b",
+                layers: 80,
+                dim: 8192,
+                ffn: 28672,
+                seq: 4096,
+                micro_batch: 1,
+                ..base
+            }),
             "tiny" => Ok(Preset {
                 name: "tiny",
                 layers: 2,
@@ -77,7 +87,7 @@ impl Preset {
                 ..base
             }),
             other => Err(Error::Invalid(format!(
-                "unknown synthetic preset '{other}'; use '1b', '7b' or 'tiny'"
+                "unknown synthetic preset '{other}'; use '1b', '7b', '70b' or 'tiny'"
             ))),
         }
     }

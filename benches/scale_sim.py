@@ -18,7 +18,11 @@ The memory budget is the greedy schedule's peak (the search must win within the 
 world W, in nodes of 8: sharded over the 8 GPUs of a node (NVLink, the W = 8 model above) and
 replicated across the W / 8 nodes, each reduce-scatter's shard then all-reduced between the
 nodes (a ring of 2 (r - 1) steps at 50 GB/s per GPU, the same per-step latency). One JSON line
-per (preset, world, layout), the search's plan.
+per (preset, world, layout), the search's plan: its step, exposed communication and the peak
+of what the step allocates (gathered parameters, activations), and beside it the state a rank
+keeps (16 bytes a parameter over its shard group: fp32 master, AdamW moments, gradient). The
+ring latency grows linearly with the ranks, as above: NCCL's trees grow slower, so the full
+sharding rows at 512 are pessimistic.
 
     python benches/scale_sim.py [--worlds 2,4,8,64] [--presets 1b,7b] [--out FILE]
     python benches/scale_sim.py --hybrid --worlds 64,512 --presets 7b,70b [--out FILE]
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -86,6 +91,7 @@ def simulate_hybrid(preset: str, world: int) -> list[dict[str, Any]]:
     }
     rows = []
     for layout, (graph, cost) in layouts.items():
+        shards = cost["world"]
         plan = zplan.compare(graph, None, cost)["search"]
         rows.append(
             {
@@ -95,9 +101,21 @@ def simulate_hybrid(preset: str, world: int) -> list[dict[str, Any]]:
                 "cost_model": cost,
                 **{k: round(plan[k], 3) for k in ("compute_ms", "makespan_ms", "exposed_comm_ms")},
                 "peak_GiB": round(plan["peak_bytes"] / 2**30, 2),
+                "state_GiB": round(STATE_BYTES * _params(graph) / shards / 2**30, 2),
             }
         )
     return rows
+
+
+# What a rank keeps of each parameter it shards, beside the step's peak: the fp32 master, two
+# fp32 AdamW moments and the fp32 gradient.
+STATE_BYTES = 16
+
+
+def _params(graph: dict[str, Any]) -> int:
+    """The model's parameters: each gathered tensor once, in bf16 (2 bytes an element)."""
+    gathered = {n["ds_id"]: n["bytes"] for n in graph["nodes"] if n["kind"] == "allgather"}
+    return sum(gathered.values()) // 2
 
 
 def simulate(preset: str, world: int) -> dict[str, Any]:
@@ -142,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     for preset in args.presets.split(","):
         for world in (int(w) for w in args.worlds.split(",")):
             row = simulate(preset, world)
-            row["command"] = "python benches/scale_sim.py " + " ".join(argv or [])
+            row["command"] = "python benches/scale_sim.py " + " ".join(
+                sys.argv[1:] if argv is None else argv
+            )
             row["host"] = platform.node() or "cpu"
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -169,19 +189,24 @@ def _hybrid(args: argparse.Namespace, argv: list[str] | None) -> int:
     for preset in args.presets.split(","):
         for world in (int(w) for w in args.worlds.split(",")):
             for row in simulate_hybrid(preset, world):
-                row["command"] = "python benches/scale_sim.py " + " ".join(argv or [])
+                row["command"] = "python benches/scale_sim.py " + " ".join(
+                    sys.argv[1:] if argv is None else argv
+                )
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if args.out:
         with args.out.open("a") as fh:
             fh.writelines(json.dumps(row) + "\n" for row in rows)
     print()
-    print("| preset | GPUs | layout | compute ms | step ms | exposed comm ms | peak GiB |")
-    print("|---|---:|---|---:|---:|---:|---:|")
+    print(
+        "| preset | GPUs | layout | compute ms | step ms | exposed comm ms | peak GiB | state GiB |"
+    )
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['preset']} | {r['world']} | {r['layout']} | {r['compute_ms']:.1f} | "
-            f"{r['makespan_ms']:.1f} | {r['exposed_comm_ms']:.1f} | {r['peak_GiB']:.2f} |"
+            f"{r['makespan_ms']:.1f} | {r['exposed_comm_ms']:.1f} | {r['peak_GiB']:.2f} | "
+            f"{r['state_GiB']:.2f} |"
         )
     return 0
 

@@ -124,11 +124,40 @@ def _disagreeing_replica(rank: int) -> str | None:
     return None
 
 
+def _refusals() -> dict[str, str | None]:
+    """Each mesh= zrs does not take, and its ZrsError (None: it did not raise)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    import zrs
+
+    grid = torch.arange(4)
+    meshes = {
+        "with process_group": (make_mesh("2x2", "cpu"), {"process_group": dist.group.WORLD}),
+        "3-D": (DeviceMesh("cpu", grid.view(1, 2, 2)), {}),
+        "other names": (DeviceMesh("cpu", grid.view(2, 2), mesh_dim_names=("dp", "tp")), {}),
+        "shard first": (
+            DeviceMesh("cpu", grid.view(2, 2), mesh_dim_names=("dp_shard", "dp_replicate")),
+            {},
+        ),
+        "offload": (make_mesh("2x2", "cpu"), {"offload": "optimizer"}),
+    }
+    out: dict[str, str | None] = {}
+    for what, (mesh, kw) in meshes.items():
+        try:
+            zrs.shard(spec_of("mlp").build(), mesh=mesh, **kw)
+            out[what] = None
+        except zrs.ZrsError as exc:
+            out[what] = str(exc)
+    return out
+
+
 def _group(rank: int, world: int, root: str) -> dict[str, Any]:
     cases = [_case(m, b, model) for w, m, b, model in TRAINED if w == world]
     out: dict[str, Any] = {"trained": run_cases(rank, world, cases)}
     if world == 4:
         out["disagreement"] = _disagreeing_replica(rank)
+        out["refusals"] = _refusals()
         out["checkpoints"] = _checkpoints(rank, root)
     return out
 
@@ -180,3 +209,19 @@ def test_a_replica_that_disagrees_stops_every_rank() -> None:
     errors = [r["disagreement"] for r in _results(4)]
     assert all(e is not None and "ranks disagree" in e for e in errors), errors
     assert all("param_dtype" in e for e in errors), errors[0]
+
+
+@pytest.mark.parametrize(
+    ("what", "says"),
+    [
+        ("with process_group", "not both"),
+        ("3-D", "has 3 dimensions"),
+        ("other names", "('dp', 'tp')"),
+        ("shard first", "replicate dimension first"),
+        ("offload", "not supported yet"),
+    ],
+)
+def test_a_mesh_zrs_does_not_take_raises_on_every_rank(what: str, says: str) -> None:
+    for rank, r in enumerate(_results(4)):
+        message = r["refusals"][what]
+        assert message is not None and says in message, (rank, what, message)

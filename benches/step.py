@@ -200,6 +200,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "several ranks; at world 1 torch.compile's static-first)",
     )
     p.add_argument(
+        "--zrs-mesh",
+        metavar="RxS",
+        help="zrs's mesh=: a 2-D DeviceMesh of R replicas of S shards (hybrid sharding); "
+        "default: the world group",
+    )
+    p.add_argument(
         "--zrs-shared-reduce-communicator",
         action="store_true",
         help="zrs.compile(separate_reduce_communicator=False): gathers and reduce-scatters on "

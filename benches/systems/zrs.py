@@ -46,6 +46,8 @@ def build_zrs(
         "reduce_dtype": ctx.reduce_dtype,
         "master_dtype": DTYPES[ctx.args.master_dtype],
     }
+    if ctx.args.zrs_mesh:
+        common["mesh"] = _mesh(ctx.args.zrs_mesh, ctx.device.type)
     if compiled:
         model = zrs.compile(
             model,
@@ -69,8 +71,18 @@ def build_zrs(
         ctx.world,
         ctx.args.reduce_dtype,
         (model, opt),
-        {"zrs": getattr(zrs, "__version__", "?")},
+        {"zrs": getattr(zrs, "__version__", "?")}
+        | ({"zrs_mesh": ctx.args.zrs_mesh} if ctx.args.zrs_mesh else {}),
     )
+
+
+def _mesh(shape: str, device_type: str) -> object:
+    """The 2-D ("dp_replicate", "dp_shard") DeviceMesh of `--zrs-mesh RxS`."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    replicas, shards = (int(n) for n in shape.split("x"))
+    names = ("dp_replicate", "dp_shard")
+    return init_device_mesh(device_type, (replicas, shards), mesh_dim_names=names)
 
 
 def settle() -> str:

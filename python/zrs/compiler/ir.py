@@ -6,10 +6,9 @@ graph's order, but for the unread symbolic inputs that only some ranks have
   ``dtype``: the gathered dtype, which the planner fuses only with its like);
   ``wait_allgather`` -> ``wait``; ``release_param`` -> ``release``; ``reduce_grad`` ->
   ``reduce_scatter`` (``bytes``: the full gradient in the reduce dtype; with offload,
-  ``host_bytes``: this rank's shard of it copied to the host after; with hybrid sharding,
-  ``replicate_bytes``: that shard, all-reduced across the replicas); ``prefetch_params_fused``,
-  ``end_backward``, placeholders, the output, ``getitem`` and views -> ``other`` (no time);
-  every other node -> ``compute``.
+  ``host_bytes``: this rank's shard copied to the host; hybrid, ``replicate_bytes``: that shard
+  all-reduced across replicas); ``prefetch_params_fused``, ``end_backward``, placeholders, the
+  output, ``getitem`` and views -> ``other`` (no time); every other node -> ``compute``.
 * **Durations** (``estimate_us``) are analytic: ``floor + max(flops / FLOPS, bytes / BW)``,
   FLOPs for mm / addmm / bmm / baddbmm / convolution(+backward) / scaled-dot-product attention
   (+backward) from the meta shapes, bytes = inputs + outputs, rates per device type in

@@ -65,27 +65,19 @@ class ZeroState:
     master_dtype: torch.dtype  # every shard's (options.master_dtype)
     reduce_dtype: torch.dtype
     registry: Registry
-    # Resize a released buffer's storage to 0 (the eager backend, whose FX code keeps every
-    # intermediate alive until the graph returns). Inductor frees its buffers at their last use
-    # itself and may *reuse* a dead gathered buffer as the output of a later kernel (seen on CUDA:
-    # a weight-gradient mm wrote into the gathered weight's buffer), so there the release only
-    # drops the runtime's reference.
+    # Resize a released buffer's storage to 0 (the eager backend keeps every intermediate alive);
+    # inductor may *reuse* a dead gathered buffer (seen on CUDA): a release drops a reference.
     free_on_release: bool = True
-    # True (no master_dtype given): each parameter computes, and comes back in full state dicts,
-    # in its own dtype. False: master_dtype converted the whole model to it.
+    # True (no master_dtype): each parameter computes and is saved in its own dtype.
     own_dtypes: bool = True
     # How long any collective or meeting of this model waits for a peer.
     timeout: datetime.timedelta = datetime.timedelta(minutes=30)
-    # The parameter all-gathers' communicator: `group`, or one over its ranks with `timeout`.
+    # The all-gathers' and the reduce-scatters' communicators over `group`'s ranks (links.py).
     gather_group: dist.ProcessGroup | None = None
-    # The gradient reduce-scatters' own communicator over the same ranks (`new_group_like`).
     reduce_group: dist.ProcessGroup | None = None
-    # A gloo group over the job's ranks (every replica's) for the small host-side exchanges:
-    # the rank checks, the profile's agreement, the step check before each forward.
+    # A gloo group over the job's ranks for host-side exchanges (rank and step checks, profile).
     control_group: dist.ProcessGroup | None = None
-    # Hybrid sharding (a 2-D mesh, docs/hybrid.md): the gradient all-reduce's communicator over
-    # the ranks that hold this rank's shard in the other replicas (None: one replica), every
-    # rank of the job (checkpoints), and the mesh the parameters' DTensors live on.
+    # Hybrid sharding (docs/hybrid.md): the replicas' all-reduce communicator, the job, its mesh.
     replicate_group: dist.ProcessGroup | None = None
     job_group: dist.ProcessGroup | None = None
     device_mesh: DeviceMesh | None = None
@@ -93,66 +85,53 @@ class ZeroState:
     # id(shard) -> ds_id: traced gathers name their parameter by its shard (compiler/regions.py)
     ds_ids: dict[int, int] = field(default_factory=dict)
     graph_ids: itertools.count = field(default_factory=itertools.count)
-    # The planner's options (compiler/plan.py): scheduler "search", "greedy" or "none"; budget in
-    # bytes or None; directory for per-graph Chrome traces and memory plots, or None.
+    # The planner's options (compiler/plan.py): scheduler, budget in bytes, a trace directory.
     scheduler: str = "search"
     memory_budget: int | None = None
     trace_dir: str | None = None
-    # Measure compute and collective times for the planner (zrs.compiler.profile); the fitted
-    # collective cost model is measured once, at the first graph compile.
+    # Measure compute and collective times for the planner (zrs.compiler.profile), once.
     profile: bool = True
-    # Training forwards keep their last-used gathered parameters for the backward
-    # (compiler/keep.py).
+    # Training forwards keep their last-used gathered parameters for the backward (keep.py).
     keep_for_backward: bool = True
     cost_model: dict | None = None
     cost_measured: bool = False
     host_measured: bool = False  # offload's copy link, in cost_model["host"] (CUDA)
-    # Wall seconds of zrs's own compile work, summed over graphs (compiler): "lower", "profile",
-    # "plan", "keep", "buckets", "coalesce" and the collective "sweep"; dynamo and inductor take
-    # the rest.
+    # Wall seconds of zrs's own compile work by phase ("lower", "profile", "plan", "keep",
+    # "buckets", "coalesce", the collective "sweep"), summed over graphs.
     compile_s: dict[str, float] = field(default_factory=dict)
     # Where the ranks meet outside the collectives (None for one rank).
     peers: Peers | None = None
-    # The side streams of the all-gathers and the reduce-scatters (`streams`), None when the
-    # collectives run on the compute stream.
+    # The all-gathers' and reduce-scatters' side streams (`streams`); None: the compute stream.
     gather_stream: torch.cuda.Stream | None = field(init=False)
     reduce_stream: torch.cuda.Stream | None = field(init=False)
-    # The parameters' DTensor mesh over `group` (None without torch.distributed: then each
-    # parameter is the whole tensor).
+    # The parameters' DTensor mesh (None without torch.distributed: each a whole tensor).
     mesh: DeviceMesh | None = field(init=False)
     replicas: int = field(init=False)  # the replicate group's size (1: no hybrid sharding)
-    # The stream each gradient all-reduce across replicas waits for its reduce-scatter on
-    # (CUDA with replicas; grads._all_reduce_after).
+    # Where each all-reduce across replicas waits for its reduce-scatter (grads.py; CUDA).
     replicate_stream: torch.cuda.Stream | None = field(init=False)
     job_rank: int = field(init=False)  # this rank in `job_group`
-    # One rank: a gather that casts nothing is lowered to a view of the shard (compiler/zero3.py).
-    # The compiler's tests turn it off to lower one process's graphs as several ranks' are. Not
-    # with offload: the gather is where a stale device copy is made again from its master.
+    # One rank: a gather that casts nothing is a view of the shard (compiler/zero3.py); not with
+    # offload, whose gather remakes a stale device copy. The compiler's tests turn it off.
     one_rank_views: bool = field(init=False)
     # A gloo group over `group`'s ranks for asynchronous checkpoint saves (zrs.checkpoint).
     checkpoint_group: dist.ProcessGroup | None = None
     step: StepState = field(default_factory=StepState)
-    # The eager path (`runtime/fetch.py`): the leaves that module code reads outside compiled
-    # graphs and the coordinator that decides their gathers. Set by zrs.shard / zrs.compile.
+    # The eager path (`runtime/fetch.py`): leaves read outside compiled graphs, their gathers.
     fetcher: EagerPath | None = None
-    # Reduced gradients kept at fixed addresses for a captured optimizer step (zrs.GraphedStep
-    # sets it; None: each backward reduces into fresh tensors).
+    # Reduced gradients at fixed addresses for zrs.GraphedStep (None: fresh tensors each time).
     grad_store: GradStore | None = None
     # What the ranks compare before each forward (STEP_COUNTERS).
     forwards: int = 0
     backwards: int = 0
     optimizer_steps: int = 0
-    # Whether the step check also compares the shapes of the forward's inputs (zrs.compile at
-    # several ranks: compiler/forward.py compiles static sizes while they agree), and whether
-    # they agreed at the last forward call.
+    # Whether the step check compares the input shapes (compiler/forward.py), and the outcome.
     compare_inputs: bool = False
     inputs_agree: bool = True
     # Why this model can no longer run: a collective failed or the ranks disagreed. Set once.
     broken: str | None = None
     # The module this state shards (zrs.CapturedStep reads its train/eval flags).
     module: weakref.ref[nn.Module] | None = None
-    # Parameters registered into the model after it was sharded, which zrs neither shards nor
-    # reduces (`registered`, `before_optimizer_step`).
+    # Parameters registered after sharding, which zrs neither shards nor reduces.
     additions: Additions = field(default_factory=Additions)
     # zrs.shard(offload="optimizer"): the masters and the optimizer step on the host.
     offload: Offload | None = None
@@ -165,8 +144,7 @@ class ZeroState:
         self.one_rank_views = self.world_size == 1 and self.offload is None
         self.gather_stream = streams.side_stream(self.device, "gather")
         self.reduce_stream = streams.side_stream(self.device, "reduce")
-        # With offload the parameters and their gradients are host tensors: their mesh is the
-        # gloo control group's, so that a DTensor collective on them (a norm) runs on the host.
+        # Offloaded parameters are host tensors: their norms run on the gloo group's mesh.
         mesh_group, mesh_device = self.group, self.device.type
         if self.offload is not None and self.control_group is not None:
             mesh_group, mesh_device = self.control_group, "cpu"

@@ -222,6 +222,40 @@ pub fn validate(g: &Graph, order: &[u32], groups: &[Vec<u32>]) -> Result<(Vec<u3
     Ok((group_of, pos))
 }
 
+/// A stream that runs the work following a reduce-scatter (its all-reduce, its host copy) one
+/// at a time, in the order it is handed over.
+struct Serial {
+    start: Vec<f64>,
+    end: Vec<f64>,
+    free: f64,
+    busy: f64,
+}
+
+impl Serial {
+    fn new(n: usize) -> Self {
+        Serial {
+            start: vec![0.0; n],
+            end: vec![0.0; n],
+            free: 0.0,
+            busy: 0.0,
+        }
+    }
+
+    /// Run node `v`'s `dur` once `ready` and the stream is free; returns when it ends (`ready`
+    /// for no work).
+    fn run(&mut self, v: usize, ready: f64, dur: f64) -> f64 {
+        if dur <= 0.0 {
+            return ready;
+        }
+        let s = ready.max(self.free);
+        self.start[v] = s;
+        self.end[v] = s + dur;
+        self.free = s + dur;
+        self.busy += dur;
+        self.free
+    }
+}
+
 /// Simulate a plan; validates it first.
 pub fn simulate(p: &Problem, order: &[u32], groups: &[Vec<u32>]) -> Result<SimResult> {
     let (group_of, _pos) = validate(p.g, order, groups)?;
@@ -250,16 +284,10 @@ pub fn simulate_unchecked(
     let mut mem_t = Vec::with_capacity(cap);
     let mut mem_b = Vec::with_capacity(cap);
     let mut makespan = 0.0f64;
-    // Offload's copies to the host: one stream, in the reduce-scatters' order.
-    let mut host_start = vec![0.0f64; n];
-    let mut host_end = vec![0.0f64; n];
-    let mut host_free = 0.0f64;
-    let mut host_busy = 0.0f64;
-    // Hybrid sharding's all-reduces across the replicas: one stream, in the same order.
-    let mut ar_start = vec![0.0f64; n];
-    let mut ar_end = vec![0.0f64; n];
-    let mut ar_free = 0.0f64;
-    let mut ar_busy = 0.0f64;
+    // Hybrid sharding's all-reduces across the replicas, then offload's copies to the host: a
+    // stream each, in the reduce-scatters' order.
+    let mut all_reduces = Serial::new(n);
+    let mut host_copies = Serial::new(n);
     for &v in order {
         let vi = v as usize;
         if done[vi] {
@@ -321,26 +349,9 @@ pub fn simulate_unchecked(
             alloc = node.alloc;
             freed = node.free;
             makespan = makespan.max(en);
-            let mut reduced = en;
-            let all_reduce = p.replicate_dur[vi];
-            if all_reduce > 0.0 {
-                let s = en.max(ar_free);
-                ar_start[vi] = s;
-                ar_end[vi] = s + all_reduce;
-                ar_free = s + all_reduce;
-                ar_busy += all_reduce;
-                reduced = ar_free;
-                makespan = makespan.max(ar_free);
-            }
-            let copy = p.host_dur[vi];
-            if copy > 0.0 {
-                let hs = reduced.max(host_free);
-                host_start[vi] = hs;
-                host_end[vi] = hs + copy;
-                host_free = hs + copy;
-                host_busy += copy;
-                makespan = makespan.max(host_free);
-            }
+            let reduced = all_reduces.run(vi, en, p.replicate_dur[vi]);
+            let copied = host_copies.run(vi, reduced, p.host_dur[vi]);
+            makespan = makespan.max(copied);
         }
         cur += alloc as i64;
         peak = peak.max(cur);
@@ -361,12 +372,12 @@ pub fn simulate_unchecked(
         compute_us: compute,
         allgather_busy_us: busy[Stream::Allgather.index()],
         reduce_scatter_busy_us: busy[Stream::ReduceScatter.index()],
-        host_copy_busy_us: host_busy,
-        host_start_us: host_start,
-        host_end_us: host_end,
-        all_reduce_busy_us: ar_busy,
-        all_reduce_start_us: ar_start,
-        all_reduce_end_us: ar_end,
+        host_copy_busy_us: host_copies.busy,
+        host_start_us: host_copies.start,
+        host_end_us: host_copies.end,
+        all_reduce_busy_us: all_reduces.busy,
+        all_reduce_start_us: all_reduces.start,
+        all_reduce_end_us: all_reduces.end,
         peak_bytes: peak.max(0) as u64,
         end_bytes: cur,
         start_us: start,

@@ -168,6 +168,13 @@ def fit_cost_model(
 def fit_copy_link(samples: Sequence[tuple[int, float]]) -> str:
     """Fit a copy link (offload's device-to-host copies) from (bytes, microseconds); JSON."""
 
+def fit_all_reduce_link(samples: Sequence[tuple[int, float]], ranks: int) -> str:
+    """Fit an all-reduce's link across `ranks` (hybrid sharding's replicas, the cost model's
+    `inter`) from (bytes each rank sums, microseconds); JSON."""
+
+def default_cost_model(device_type: str, world: int) -> str:
+    """The cost model `device_type` plans with when nothing was measured; JSON."""
+
 # --- eager path (rust/zrs-core/src/eager; one call per module hook) ---
 
 _Fetch = tuple[list[int], list[int], list[list[int]], tuple[int, int | None, int] | None]

@@ -3,8 +3,9 @@ reference, which averages every rank's gradients as HSDP does.
 
 One group of 4 ranks trains zoo models as 2 replicas of 2 shards, with shard groups of
 neighbouring ranks ([0, 1] and [2, 3]) and of every other rank ([0, 2] and [1, 3]), and as 1x4
-and 4x1; saves 2x2 checkpoints and loads them on 1x4, 4x1 and on 2 ranks of a process group; and
-makes one replica disagree with the other. One group of 6 ranks trains as 2x3.
+and 4x1; measures the links of 2x2; saves 2x2 checkpoints and loads them on 1x4, 4x1 and on 2
+ranks of a process group; and makes one replica disagree with the other. One group of 6 ranks
+trains as 2x3.
 """
 
 from __future__ import annotations
@@ -127,6 +128,16 @@ def _disagreeing_replica(rank: int) -> str | None:
     return None
 
 
+def _links_measured(rank: int) -> dict[str, Any]:
+    """The cost model a 2x2 compile measured (its profile sweeps each group's collectives)."""
+    import zrs
+
+    spec = spec_of("mlp")
+    model = zrs.compile(spec.build(), backend="eager", mesh=make_mesh("2x2", "cpu"), timeout=60)
+    spec.loss(model, spec.batch(rank, 0)).backward()
+    return model._zrs_state.cost_model or {}
+
+
 def _refusals() -> dict[str, str | None]:
     """Each mesh= zrs does not take, and its ZrsError (None: it did not raise)."""
     import torch.distributed as dist
@@ -159,6 +170,7 @@ def _group(rank: int, world: int, root: str) -> dict[str, Any]:
     cases = [_case(m, b, model) for w, m, b, model in TRAINED if w == world]
     out: dict[str, Any] = {"trained": run_cases(rank, world, cases)}
     if world == 4:
+        out["links"] = _links_measured(rank)
         out["disagreement"] = _disagreeing_replica(rank)
         out["refusals"] = _refusals()
         out["checkpoints"] = _checkpoints(rank, root)
@@ -207,6 +219,14 @@ def test_a_checkpoint_of_2x2_loads_on(layout: str, run: tuple[str, ...]) -> None
     # Every replica saved the same values; the 2-rank load ran on ranks 0 and 1.
     ckpt.assert_equal(results[2][f"saved {run}"], results[0][f"saved {run}"], "replica 1")
     assert sum(f"{layout} {run}" in r for r in results) == (2 if layout == "2 ranks" else 4)
+
+
+def test_the_profile_measures_the_link_between_replicas() -> None:
+    models = [r["links"] for r in _results(4)]
+    assert all(m == models[0] for m in models), "ranks planned with different cost models"
+    assert models[0].get("world") == 2, models[0]  # the shard group's sweep
+    inter = models[0].get("inter")
+    assert inter is not None and inter["bus_gbps"] > 0 and inter["latency_us"] >= 0, models[0]
 
 
 def test_a_replica_that_disagrees_stops_every_rank() -> None:

@@ -7,7 +7,7 @@ backward alike:
 1. ``check_graph``: every rank compiles this graph now, and it is the same graph on every rank
    (``consistency``), before inductor's cache lookup;
 2. ``plan_context``: the planner's options, with the automatic CUDA budget (a collective) and,
-   once per model, the timed collective sweep (``profile.measure_collectives``);
+   once per model, the timed collective sweep (``sweeps.measure_collectives``);
 3. ``lower``, inductor's last post-grad pass (or the eager backend's compile step):
    ``zero3`` (gathers, waits, releases, gradient reduce-scatters) -> ``plan`` (size hints, the
    profile, ``ir``, the Rust planner, ``reorder``) -> ``keep`` (the forward's last gathers kept
@@ -19,6 +19,7 @@ backward alike:
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from torch import fx
 
@@ -28,8 +29,8 @@ from zrs.compiler.consistency import check_same_graph
 from zrs.compiler.grad_buckets import plan_grad_buckets
 from zrs.compiler.keep import keep_for_backward
 from zrs.compiler.plan import PlanContext, device_budget, graph_label, plan_graph
-from zrs.compiler.profile import measure_collectives, measure_host_copies
 from zrs.compiler.record import Record
+from zrs.compiler.sweeps import measure_all_reduce, measure_collectives, measure_host_copies
 from zrs.compiler.zero3 import lower_zero3
 from zrs.runtime.state import ZeroState
 
@@ -74,8 +75,23 @@ def _measure_host_link(state: ZeroState) -> None:
         link = measure_host_copies(state.control_group, state.device)
     state.compile_s["host_sweep"] = time.perf_counter() - t0
     if link is not None:
-        base = state.cost_model or zplan.cost_model("nvlink", max(state.world_size, 1))
+        base = state.cost_model or zplan.default_cost_model("cuda", state.world_size)
         state.cost_model = {**base, "host": link}
+
+
+def _measure_links(state: ZeroState) -> dict[str, Any] | None:
+    """The collectives' cost model from the sweeps: the shard group's all-gather and
+    reduce-scatter, and with replicas their all-reduce (`inter`, on the device's default model
+    where the shard group's sweep is not usable or has nothing to time); None: nothing fitted."""
+    cost = None
+    if state.world_size > 1:
+        cost = measure_collectives(state.gather_group, state.control_group, state.device)
+    if state.replicate_group is not None:
+        inter = measure_all_reduce(state.replicate_group, state.control_group, state.device)
+        if inter is not None:
+            base = cost or zplan.default_cost_model(state.device.type, state.world_size)
+            cost = {**base, "inter": inter}
+    return cost
 
 
 def plan_context(state: ZeroState, record: Record | None = None, warm: bool = False) -> PlanContext:
@@ -103,12 +119,11 @@ def plan_context(state: ZeroState, record: Record | None = None, warm: bool = Fa
     elif budget is None:
         source = "the planner's default (the greedy schedule's peak)"
     profile = state.profile and state.scheduler != "none"
-    if profile and not state.cost_measured and state.group is not None and state.world_size > 1:
+    communicates = state.world_size > 1 or state.replicas > 1
+    if profile and not state.cost_measured and state.group is not None and communicates:
         t0 = time.perf_counter()
         with state.exchanging("the collective timing sweep"):
-            state.cost_model = measure_collectives(
-                state.gather_group, state.control_group, state.device
-            )
+            state.cost_model = _measure_links(state)
         state.cost_measured = True
         state.compile_s["sweep"] = time.perf_counter() - t0
     if profile and state.offload is not None and not state.host_measured:

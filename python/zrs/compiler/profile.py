@@ -1,24 +1,22 @@
-"""One-time measurements that feed the planner's cost model.
+"""The compute profile that feeds the planner, once per lowered graph.
 
-* `profile_graph`: the device time of every compute node of a lowered graph, from running the graph
-  once on real tensors of its shapes with the zrs collectives stubbed out (a gather becomes an
-  uninitialised buffer, nothing is communicated). Integer inputs are zeros, so embeddings and
-  index ops stay in range; a node that cannot run on such data keeps the analytic estimate.
-  Constants the graph holds (`get_attr`) run as copies, so in-place ops cannot touch them;
-  symbolic sizes run at their hints (`size_hints`). A repeated block's body (a region call,
-  compiler/regions.py) runs once per kind of operands; its other layers' calls take that time
-  and stub outputs, so the profile's work grows with the distinct blocks, not with the layers.
-* `measure_collectives`: a short sweep of all-gather and reduce-scatter sizes on the process group,
-  fitted to latency + bytes / bandwidth (`zrs.planner.fit_cost_model`).
+`profile_graph`: the device time of every compute node of a lowered graph, from running the graph
+once on real tensors of its shapes with the zrs collectives stubbed out (a gather becomes an
+uninitialised buffer, nothing is communicated). Integer inputs are zeros, so embeddings and
+index ops stay in range; a node that cannot run on such data keeps the analytic estimate.
+Constants the graph holds (`get_attr`) run as copies, so in-place ops cannot touch them;
+symbolic sizes run at their hints (`size_hints`). A repeated block's body (a region call,
+compiler/regions.py) runs once per kind of operands; its other layers' calls take that time
+and stub outputs, so the profile's work grows with the distinct blocks, not with the layers.
 
-Both are timings, so they differ a little between ranks; the planner must see the same numbers
-everywhere (a different plan on one rank pairs its collectives with other ranks' different ones).
-The ranks exchange their measurements and all take the element-wise maximum.
+The links' timed sweeps are `compiler/sweeps.py`. Timings differ a little between ranks; the
+planner must see the same numbers everywhere (a different plan on one rank pairs its collectives
+with other ranks' different ones): the ranks exchange their measurements and all take the
+element-wise maximum (`agree_max`).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import time
@@ -32,20 +30,10 @@ from torch import fx
 from torch._dispatch.python import no_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
-from zrs import planner as zplan
-from zrs._core import ZrsError
 from zrs.compiler._fx import INVOKE_SUBGRAPH, OPS, rank_local_inputs, val
-from zrs.runtime import collectives
 from zrs.runtime.exchange import all_gather_bytes
 
 _log = logging.getLogger(__name__)
-
-# Sizes of the collective sweep (full bytes, all ranks together) and repetitions per size.
-SWEEP_BYTES = {
-    "cuda": (1 << 16, 1 << 20, 8 << 20, 64 << 20),
-    "cpu": (1 << 12, 1 << 16, 1 << 20, 4 << 20),
-}
-SWEEP_REPS = 3  # the fastest of these counts: noise (other processes, clocks) only adds time
 
 _STUB_ALIAS = {OPS.wait_allgather.default, OPS.release_param.default}
 _STUB_NONE = {
@@ -294,83 +282,3 @@ def profile_graph(
     # -1: not timed (a stub, or it raised); the maximum keeps any rank's measurement.
     agreed = agree_max([times.get(name, -1.0) for name in names], group)
     return {name: t for name, t in zip(names, agreed, strict=True) if t >= 0}
-
-
-# --- collective sweep ---------------------------------------------------------------------------
-
-
-def _timed(fn, args: tuple, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    fn(*args)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - t0) * 1e6
-
-
-def measure_collectives(
-    group: dist.ProcessGroup, control: dist.ProcessGroup, device: torch.device
-) -> dict[str, Any] | None:
-    """Fit the planner's collective cost model to a short sweep on `group` (every rank calls
-    this at the same point; the ranks agree on the times over `control`). Returns the cost model
-    as a dict for `zrs.planner`, or None when the sweep cannot be fitted (then the planner uses
-    its analytic default)."""
-    world = dist.get_world_size(group)
-    sizes = SWEEP_BYTES.get(device.type, SWEEP_BYTES["cpu"])
-    samples: dict[str, list[float]] = {"allgather": [], "reduce_scatter": []}
-    full_sizes = []
-    with unset_fake_temporarily(), no_python_dispatcher():
-        for full_bytes in sizes:
-            per_rank = max(full_bytes // 4 // world, 1)
-            full_sizes.append(per_rank * 4 * world)
-            shard = torch.zeros(per_rank, dtype=torch.float32, device=device)
-            full = torch.zeros(per_rank * world, dtype=torch.float32, device=device)
-            for name, fn, args in (
-                ("allgather", collectives.all_gather, (full, shard, group, False)),
-                ("reduce_scatter", collectives.reduce_scatter, (shard, full, group, False)),
-            ):
-                fn(*args)  # warm-up (connection setup, NCCL channels)
-                times = [_timed(fn, args, device) for _ in range(SWEEP_REPS)]
-                samples[name].append(min(times))
-    flat = agree_max(samples["allgather"] + samples["reduce_scatter"], control)
-    n = len(sizes)
-    try:
-        model = zplan.fit_cost_model(
-            list(zip(full_sizes, flat[:n], strict=True)),
-            list(zip(full_sizes, flat[n:], strict=True)),
-            world,
-        )
-    except ZrsError as e:
-        # A sweep too noisy to fit (a busy CPU machine): every rank got the same numbers, so
-        # every rank falls back alike.
-        _log.info("collective sweep not usable (%s); using the analytic cost model", e)
-        return None
-    return model  # the fit rejects a non-positive or non-finite bandwidth itself
-
-
-# Offload's device-to-host link: the sizes of its sweep (bytes a rank copies).
-HOST_COPY_BYTES = (1 << 20, 8 << 20, 64 << 20)
-
-
-def measure_host_copies(
-    control: dist.ProcessGroup | None, device: torch.device
-) -> dict[str, Any] | None:
-    """Offload's copy link (device to pinned host memory), fitted to a short sweep that every
-    rank of the host runs at once, as the backward's copies do (they share the host's memory and
-    links); the ranks agree on the slowest times. The cost model's `host` link, or None when
-    the sweep cannot be fitted."""
-    samples = []
-    with unset_fake_temporarily(), no_python_dispatcher():
-        for size in HOST_COPY_BYTES:
-            src = torch.empty(size, dtype=torch.uint8, device=device)
-            dst = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-            copy = functools.partial(dst.copy_, src, non_blocking=True)
-            copy()  # warm-up
-            samples.append(min(_timed(copy, (), device) for _ in range(SWEEP_REPS)))
-    agreed = agree_max(samples, control)
-    try:
-        return zplan.fit_copy_link(list(zip(HOST_COPY_BYTES, agreed, strict=True)))
-    except ZrsError as e:
-        _log.info("host copy sweep not usable (%s); the plan counts no host copies", e)
-        return None

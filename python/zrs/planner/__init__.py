@@ -31,6 +31,8 @@ Graph = dict[str, Any] | str
 __all__ = [
     "compare",
     "cost_model",
+    "default_cost_model",
+    "fit_all_reduce_link",
     "fit_copy_link",
     "fit_cost_model",
     "plan",
@@ -84,6 +86,11 @@ def cost_model(preset: str = "nvlink", world: int = 2) -> dict[str, Any]:
     return json.loads(_core.cost_model(preset, world))
 
 
+def default_cost_model(device_type: str, world: int) -> dict[str, Any]:
+    """The cost model zrs plans with on `device_type` when nothing was measured."""
+    return json.loads(_core.default_cost_model(device_type, world))
+
+
 def fit_cost_model(
     allgather: Sequence[tuple[int, float]],
     reduce_scatter: Sequence[tuple[int, float]],
@@ -97,6 +104,12 @@ def fit_copy_link(samples: Sequence[tuple[int, float]]) -> dict[str, Any]:
     """Fit latency + bytes/bandwidth of a copy (offload's device-to-host link, the cost model's
     `host`) from (bytes, microseconds) samples."""
     return json.loads(_core.fit_copy_link(list(samples)))
+
+
+def fit_all_reduce_link(samples: Sequence[tuple[int, float]], ranks: int) -> dict[str, Any]:
+    """Fit latency + bytes/bandwidth of a ring all-reduce across `ranks` (hybrid sharding's
+    replicas, the cost model's `inter` link) from (bytes each rank sums, microseconds) samples."""
+    return json.loads(_core.fit_all_reduce_link(list(samples), ranks))
 
 
 def write_trace(

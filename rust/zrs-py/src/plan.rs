@@ -119,6 +119,19 @@ fn fit_copy_link(samples: Vec<(u64, f64)>) -> PyResult<String> {
     ToPyResult(LinkModel::fit_copy(&samples).map(|l| l.to_json())).into()
 }
 
+/// Fit the link of an all-reduce across `ranks` (hybrid sharding's replicas) from (bytes each
+/// rank sums, microseconds) samples: the cost model's `inter` link, as JSON.
+#[pyfunction]
+fn fit_all_reduce_link(samples: Vec<(u64, f64)>, ranks: u32) -> PyResult<String> {
+    ToPyResult(LinkModel::fit_all_reduce(&samples, ranks).map(|l| l.to_json())).into()
+}
+
+/// The cost model a device type plans with when nothing was measured, as JSON.
+#[pyfunction]
+fn default_cost_model(device_type: &str, world: u32) -> String {
+    compiled::default_cost(device_type, world).to_json()
+}
+
 /// The forward's last-released parameters to keep for the backward (`plan::keep`): releases in
 /// execution order as (ds_id, gathered bytes), the forward's largest gather, and the bytes an
 /// explicit budget has left over the forward's planned peak (None without one).
@@ -142,6 +155,8 @@ fn grad_buckets(numels: Vec<u64>, capacity: u64) -> Vec<u64> {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(grad_buckets, m)?)?;
     m.add_function(wrap_pyfunction!(fit_copy_link, m)?)?;
+    m.add_function(wrap_pyfunction!(fit_all_reduce_link, m)?)?;
+    m.add_function(wrap_pyfunction!(default_cost_model, m)?)?;
     m.add_function(wrap_pyfunction!(kept_for_backward, m)?)?;
     m.add_function(wrap_pyfunction!(plan_graph, m)?)?;
     m.add_function(wrap_pyfunction!(plan_compiled, m)?)?;

@@ -116,6 +116,29 @@ impl LinkModel {
         Self::fit_scaled(samples, 1.0)
     }
 
+    /// The fit of a ring all-reduce across `ranks`, `us = a + b * 2 bytes (r - 1) / r`, over
+    /// `(bytes each rank sums, us)` samples: the link that [`LinkModel::all_reduce_us`] times.
+    pub fn fit_all_reduce(samples: &[(u64, f64)], ranks: u32) -> Result<Self> {
+        let f = 2.0 * ring_factor(ranks);
+        if f == 0.0 {
+            return Err(Error::Invalid(
+                "cannot fit an all-reduce cost model across one rank: nothing is communicated"
+                    .into(),
+            ));
+        }
+        Self::fit_scaled(samples, f)
+    }
+
+    /// The ring all-reduce of `bytes` (each rank's tensor) across `ranks`: a reduce-scatter and
+    /// an all-gather, (r - 1) / r of the bytes each. 0 for no bytes or one rank.
+    #[inline]
+    pub fn all_reduce_us(&self, bytes: u64, ranks: u32) -> f64 {
+        if bytes == 0 || ranks <= 1 {
+            return 0.0;
+        }
+        self.latency_us + 2.0 * bytes as f64 * ring_factor(ranks) / (self.bus_gbps * 1e3)
+    }
+
     pub fn to_json(&self) -> String {
         serde_json::to_string(self).expect("LinkModel serializes")
     }
@@ -318,16 +341,12 @@ impl CostModel {
         self.reduce_scatter.time_us(bytes, self.world)
     }
 
-    /// The ring all-reduce of `bytes` (one reduced shard) across the replicas: a reduce-scatter
-    /// and an all-gather of it, 2 (r - 1) / r of the bytes each way, over the `inter` link (the
-    /// reduce-scatter's where none is known). 0 with one replica.
+    /// The all-reduce of `bytes` (one reduced shard) across the replicas, over the `inter` link
+    /// (the reduce-scatter's where none is known). 0 with one replica.
     #[inline]
     pub fn all_reduce_us(&self, bytes: u64) -> f64 {
-        if bytes == 0 || self.replicas <= 1 {
-            return 0.0;
-        }
         let link = self.inter.as_ref().unwrap_or(&self.reduce_scatter);
-        link.latency_us + 2.0 * bytes as f64 * ring_factor(self.replicas) / (link.bus_gbps * 1e3)
+        link.all_reduce_us(bytes, self.replicas)
     }
 
     /// The host copy of `bytes` after a reduce-scatter; 0 without a host link.
@@ -388,6 +407,30 @@ mod tests {
         assert_eq!(m.copy_us(0), 0.0);
         // 64 MiB at 25 GB/s: 2.68 ms, whatever the world size
         assert!((m.copy_us(1 << 26) - (8.0 + 67_108_864.0 / 25e3)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn an_all_reduce_fit_recovers_the_link_the_planner_times() {
+        let truth = LinkModel {
+            latency_us: 40.0,
+            bus_gbps: 12.5,
+        };
+        let s: Vec<(u64, f64)> = [1u64 << 16, 1 << 20, 1 << 24]
+            .iter()
+            .map(|&b| (b, truth.all_reduce_us(b, 4)))
+            .collect();
+        let m = LinkModel::fit_all_reduce(&s, 4).unwrap();
+        assert!((m.latency_us - 40.0).abs() < 1e-6, "{m:?}");
+        assert!((m.bus_gbps - 12.5).abs() < 1e-6, "{m:?}");
+        let hybrid = CostModel {
+            replicas: 4,
+            inter: Some(m),
+            ..CostModel::nvlink(8)
+        };
+        // 16 MiB across 4: 3/4 of it twice at 12.5 GB/s
+        let want = 40.0 + 2.0 * 16_777_216.0 * 0.75 / 12.5e3;
+        assert!((hybrid.all_reduce_us(1 << 24) - want).abs() < 1e-6);
+        assert!(LinkModel::fit_all_reduce(&s, 1).is_err());
     }
 
     #[test]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "python" / "zrs"
 MAX_LINES = 400
+MAX_RUST_LINES = 500
 
 # Layer of each package of zrs, lowest first. A module may import its own package and the
 # packages of lower layers; packages of one layer are peers and import none of each other.
@@ -107,6 +108,17 @@ def test_files_are_short():
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"over {MAX_LINES} lines: {long}"
+
+
+def test_rust_files_are_under_500_lines():
+    """One concern a Rust file, its tests beside it (a module's tests.rs when they are long)."""
+    rust = PACKAGE.parents[1] / "rust"
+    long = {
+        str(p.relative_to(rust)): n
+        for p in rust.rglob("*.rs")
+        if "target" not in p.parts and (n := len(p.read_text().splitlines())) >= MAX_RUST_LINES
+    }
+    assert not long, f"{MAX_RUST_LINES} lines or more: {long}"
 
 
 # The runtime's tiers, lowest first (docs/architecture.md, "The runtime's tiers"): a runtime module

@@ -3,7 +3,8 @@ gradient accumulation and clipping against the unsharded reference; save_state, 
 at the same world size (the run continues bit for bit) and at another (every rank holds the saved
 rows of the weights and of the optimizer's momentum); for both of zrs's state dict types, full
 tensors in Accelerate's files and torch.distributed.checkpoint folders, and with offload (the
-step on the host, the clip of host gradients)."""
+step on the host, the clip of host gradients). At 3 ranks, `zrs.compile` through
+`prepare(model, optimizer, dataloader)` trains on the loader's shards as the reference does."""
 
 from __future__ import annotations
 
@@ -99,9 +100,47 @@ def _save_and_resume(rank: int, world: int, root: str) -> dict:
     return runs
 
 
+class _Batches(torch.utils.data.Dataset):
+    """Item g is the micro-batch the zoo gives rank g % world at its micro-step g // world:
+    Accelerate's sharded loader hands rank r items r, r + world, ... as `_train` reads them."""
+
+    def __init__(self, spec: ZooModel, world: int) -> None:
+        self.spec, self.world = spec, world
+
+    def __len__(self) -> int:
+        return self.world * STEPS * ACCUMULATE
+
+    def __getitem__(self, g: int):
+        return self.spec.batch(g % self.world, g // self.world)
+
+
+def _compiled_with_a_loader(rank: int, world: int) -> dict:
+    """zrs.compile through prepare(model, optimizer, dataloader): the loader's batches,
+    accumulated and clipped."""
+    from zrs.trainers.accelerate import Accelerator
+
+    spec = spec_of(MODEL)
+    model = zrs.compile(spec.build(), backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    loader = torch.utils.data.DataLoader(
+        _Batches(spec, world), batch_size=1, collate_fn=lambda items: items[0]
+    )
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATE)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    batches = iter(loader)
+    for _ in range(STEPS * ACCUMULATE):
+        with accelerator.accumulate(model):
+            accelerator.backward(spec.loss(model, next(batches)))
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+            opt.step()
+            opt.zero_grad()
+    return {"final": zrs.full_state_dict(model), "batches": len(loader)}
+
+
 def _load_elsewhere(rank: int, world: int, root: str) -> dict:
     as_torchrun(rank, world)
-    loaded = {}
+    loaded: dict = {"compiled": _compiled_with_a_loader(rank, world)}
     for kind in TYPES:
         accelerator, model, opt = _prepared(spec_of(MODEL), kind)
         accelerator.load_state(os.path.join(root, kind))
@@ -166,6 +205,18 @@ def test_load_state_at_another_world_size_gives_every_rank_its_rows(saved):
         for got, want in zip(r["momenta"], per_rank[0]["momenta"], strict=True):
             assert torch.equal(got, want)
     assert not any(torch.equal(m, torch.zeros_like(m)) for m in per_rank[0]["momenta"])
+
+
+def test_at_3_ranks_zrs_compile_trains_on_the_prepared_loader_as_the_reference(runs):
+    _, root = runs
+    spec = spec_of(MODEL)
+    ref = train_reference(_micro_batches(spec, 3), 3 * ACCUMULATE, steps=STEPS, max_norm=MAX_NORM)
+    for rank, r in enumerate(_loaded_elsewhere(root)):
+        got = r["compiled"]
+        assert got["batches"] == STEPS * ACCUMULATE, got["batches"]  # a third of the set each
+        final = {k: v for k, v in got["final"].items() if k in ref.final}
+        problems = compare_params(final, ref.final, rtol=RTOL, atol=ATOL)
+        assert not problems, (rank, problems)
 
 
 def test_a_state_dict_type_or_an_optimizer_a_sharded_state_cannot_save_raises():

@@ -125,16 +125,17 @@ def _ordinary_calls(rank: int, root: str, backend: str) -> dict[str, Any]:
     scaler.update()
     after = zrs.full_state_dict(model)
     out["scaler"] = (scaler.get_scale(), all(torch.equal(before[k], after[k]) for k in before))
-    out.update(_optimizer_habit(rank, root, model, opt, backend))
+    out.update(_optimizer_habit(rank, root, spec, model, opt, backend))
     out.update(_full_state_dicts(rank, root, spec, backend))
     return out
 
 
 def _optimizer_habit(
-    rank: int, root: str, model: Any, opt: torch.optim.Optimizer, backend: str
+    rank: int, root: str, spec: Any, model: Any, opt: torch.optim.Optimizer, backend: str
 ) -> dict[str, Any]:
     """The DDP habit with the optimizer: each rank's own state_dict() loads back; rank 0's,
-    loaded on every rank, is refused at the next step."""
+    loaded on every rank, is refused at rank 1's next step, and the next forward stops every
+    rank (rank 0 stepped alone)."""
     import zrs
 
     own = os.path.join(root, f"opt-rank{rank}-{backend}.pt")
@@ -145,11 +146,16 @@ def _optimizer_habit(
     opt.load_state_dict(torch.load(own, weights_only=False))
     opt.step()  # its own rows: no error
     opt.load_state_dict(torch.load(first, weights_only=False))
+    out: dict[str, Any] = {"optimizer_habit": None, "after_habit": None}
     try:
         opt.step()
-        return {"optimizer_habit": None}
     except zrs.ZrsError as e:
-        return {"optimizer_habit": str(e)}
+        out["optimizer_habit"] = str(e)
+    try:
+        spec.loss(model, spec.batch(rank, 2))
+    except zrs.ZrsError as e:
+        out["after_habit"] = str(e)
+    return out
 
 
 def _full_state_dicts(rank: int, root: str, spec: Any, backend: str) -> dict[str, Any]:
@@ -369,6 +375,9 @@ def test_one_ranks_optimizer_state_loaded_on_another_rank_raises(backend):
     assert habits[0] is None  # rank 0 loads its own rows
     assert habits[1] is not None, "rank 1 stepped with rank 0's optimizer state"
     assert "rank 1 of 2 owns" in habits[1] and "rows from 0" in habits[1], habits[1]
+    # Never one rank's state for all: rank 0 stepped, rank 1 did not, and both learn it.
+    after = [r["after_habit"] for r in _calls(backend)]
+    assert all(e is not None and "optimizer steps" in e for e in after), after
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """Faults on 2 gloo ranks (tests/support/faults.py): every rank raising in a phase recovers to exactly the
 clean skip; one rank raising, ranks that disagree, and a stopped or killed peer give every
-surviving rank a ZrsError within the timeout, and the model refuses to run on after it."""
+surviving rank a ZrsError within the timeout, and the model refuses to run on after it. The
+disagreements also on 4 ranks as a 2x2 mesh (hybrid sharding)."""
 
 from __future__ import annotations
 
@@ -121,26 +122,27 @@ def test_an_optimizer_step_that_raises_on_one_rank_is_found_at_the_next_forward(
         assert "optimizer steps" in errors[0]["error"]
 
 
-_EXPECTED = {
-    "extra_parameter": "extra.weight",
-    "parameter_order": "layers.",
-    "memory_budget": "memory_budget=",
-    "extra_forward": "disagree",
-    "one_rank_steps": "optimizer steps",
-    "eval_on_one_rank": "training",
-    "shape_on_one_rank": "compile",
-    "branch_on_one_rank": "compile",
-    "module_order_on_one_rank": "module b fetched b.weight, b.bias",
-}
-
-
 def test_every_disagreement_raises_the_same_error_on_every_rank():
     per_rank = run_workers(faults.disagreements, 2, TIMEOUT, timeout=BOUND)
-    for case, needle in _EXPECTED.items():
+    for case, needle in faults.DISAGREEMENTS.items():
         for rank, cases in enumerate(per_rank):
             record = cases[case]
             assert needle in record["error"], (case, rank, record)
             _within_timeout(record)
+
+
+def test_every_disagreement_on_a_mesh_raises_on_every_rank():
+    """The same cases on 4 ranks as 2 replicas of 2 shards, strided: rank 1, which parts from
+    the others in each case, is in the other replica from rank 0 and in rank 3's shard group.
+    The rank that did not part says what its peers did; the others may name the meeting where
+    they gave up."""
+    per_rank = run_workers(
+        faults.disagreements, 4, TIMEOUT, None, "cpu", "2x2-strided", timeout=BOUND
+    )
+    for case, needle in faults.DISAGREEMENTS.items():
+        for cases in per_rank:
+            _within_timeout(cases[case])
+        assert needle in per_rank[0][case]["error"], (case, per_rank[0][case])
 
 
 @pytest.mark.parametrize(
@@ -156,6 +158,19 @@ def test_a_lost_peer_gives_the_others_an_error_within_the_timeout(how, group_tim
     if how == "stop":  # no transport error: the timeout decides
         assert survivor["seconds"] >= TIMEOUT - 0.5, survivor
     assert "restart" in survivor["next"] and survivor["next_seconds"] < 1.0, survivor
+
+
+def test_a_replica_lost_in_its_backward_gives_every_other_rank_an_error_within_the_timeout():
+    """2x2, strided: rank 1 stops in its backward. Rank 3 (its shard group) waits in their
+    reduce-scatter, rank 0 (its replica group) in their all-reduce, rank 2 on either."""
+    per_rank = run_faulty(
+        faults.peer_lost, 4, TIMEOUT, "stop", False, "cpu", "2x2-strided", timeout=BOUND
+    )
+    assert per_rank[1] is None, per_rank[1]
+    for rank in (0, 2, 3):
+        survivor = per_rank[rank]
+        _within_timeout(survivor)
+        assert "restart" in survivor["next"] and survivor["next_seconds"] < 1.0, (rank, survivor)
 
 
 def test_a_forward_recomputed_inside_the_backward_is_not_a_new_step():

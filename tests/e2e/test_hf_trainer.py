@@ -1,7 +1,8 @@
 """Hugging Face's Trainer with a zrs model (`zrs.trainers.hf.Trainer`), on CPU ranks: it trains as
 Trainer trains the unsharded model under DDP (gradient accumulation and clipping included), its
 checkpoint resumes the run bit for bit, and loaded at another world size it gives every rank the
-saved weights and optimizer state. The same with sharded checkpoints (`state_dict_type="sharded"`,
+saved weights and optimizer state, then trains on as DDP resumed from its own checkpoint does
+(`zrs.compile` there). The same with sharded checkpoints (`state_dict_type="sharded"`,
 torch.distributed.checkpoint folders), and with offload="optimizer" (the SGD step on the host,
 Trainer's clip on host gradients)."""
 
@@ -115,14 +116,15 @@ def _runs(rank: int, world: int, root: str) -> dict:
 
 
 def _at_checkpoint(rank: int, world: int, root: str) -> dict:
-    """Runs of world 3 resumed from the world-2 checkpoints, full and sharded: what each holds
-    when training begins."""
+    """Runs of world 3 resumed from the world-2 checkpoints, full (on zrs.compile) and sharded:
+    what each holds when training begins, and where it ends against DDP's run resumed alike."""
     import transformers
 
     as_torchrun(rank, world)
     seen: dict = {}
     for name in ("zrs", "dcp"):
-        model = zrs.shard(spec_of(MODEL).build())
+        build = spec_of(MODEL).build()
+        model = zrs.compile(build, backend="eager") if name == "zrs" else zrs.shard(build)
         trainer = _trainer(model, os.path.join(root, "w3"), name, sharded=True)
 
         class Loaded(transformers.TrainerCallback):
@@ -132,6 +134,11 @@ def _at_checkpoint(rank: int, world: int, root: str) -> dict:
 
         trainer.add_callback(Loaded())
         trainer.train(resume_from_checkpoint=os.path.join(root, name, f"checkpoint-{SAVE_AT}"))
+        seen[name]["final"] = zrs.full_state_dict(model)
+    plain = spec_of(MODEL).build()
+    trainer = _trainer(plain, os.path.join(root, "w3"), "ddp", sharded=False)
+    trainer.train(resume_from_checkpoint=os.path.join(root, "ddp", f"checkpoint-{SAVE_AT}"))
+    seen["ddp"] = {k: v.detach().clone() for k, v in plain.state_dict().items()}
     return seen
 
 
@@ -184,7 +191,7 @@ def test_a_sharded_checkpoint_is_folders_and_plain_trainer_refuses_its_optimizer
         plain.load_state_dict(pointer)
 
 
-def test_a_checkpoint_of_2_ranks_loads_on_3(runs):
+def test_a_checkpoint_of_2_ranks_loads_on_3_and_trains_on_as_ddp_resumed_alike(runs):
     _, root = runs
     import safetensors.torch
 
@@ -199,3 +206,8 @@ def test_a_checkpoint_of_2_ranks_loads_on_3(runs):
             assert len(r[name]["momenta"]) == len(momenta)
             for got, want in zip(r[name]["momenta"], momenta, strict=True):
                 assert torch.equal(got, want), name
+            for key, value in r["ddp"].items():
+                assert torch.allclose(r[name]["final"][key], value, rtol=1e-5, atol=1e-6), (
+                    name,
+                    key,
+                )

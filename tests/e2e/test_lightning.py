@@ -1,8 +1,8 @@
 """PyTorch Lightning with a zrs model (`zrs.trainers.lightning.Strategy`, the model sharded in
 `configure_model`), on CPU ranks: it trains as Lightning's DDP trains the unsharded model, its
 torch.distributed.checkpoint folder resumes the run as DDP's own checkpoint does and loads at
-another world size with every rank's weights and optimizer rows, and a data-parallel size that
-would leave ranks on the same batches raises ZrsError on every rank
+another world size with every rank's weights and optimizer rows, it trains as DDP at 3 ranks too,
+and a data-parallel size that would leave ranks on the same batches raises ZrsError on every rank
 (tests/support/library_runs.py runs it; tests/gpu/test_libraries_gpu.py on NCCL)."""
 
 from __future__ import annotations
@@ -57,6 +57,11 @@ def test_the_checkpoint_loads_at_another_world_size():
         assert len(got["momenta"]) == len(saved["momenta"]), rank
         for a, b in zip(got["momenta"], saved["momenta"], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_at_3_ranks_it_trains_as_lightning_ddp():
+    for got in _runs(3):
+        close(got["zrs"], got["ddp"], RTOL, ATOL)
 
 
 def test_a_data_parallel_size_that_repeats_batches_raises_on_every_rank():

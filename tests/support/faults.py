@@ -186,7 +186,12 @@ def mark_fault(name: str) -> None:
 
 
 def since_fault(name: str) -> float:
-    return time.time() - float(_store().get(f"fault/{name}").decode())
+    """Seconds since a rank marked the fault `name`; infinite if none did (the case raised
+    before its fault), never a wait on the store."""
+    key = f"fault/{name}"
+    if not _store().check([key]):
+        return float("inf")
+    return time.time() - float(_store().get(key).decode())
 
 
 def _record(name: str, exc: BaseException) -> dict[str, Any]:
@@ -367,20 +372,39 @@ def _expect_error(name: str, run: Callable[[], None]) -> dict[str, Any]:
     return {"error": "", "kind": "", "seconds": 0.0}
 
 
+# Each disagreement case and what its ZrsError says on every rank.
+DISAGREEMENTS = {
+    "extra_parameter": "extra.weight",
+    "parameter_order": "layers.",
+    "memory_budget": "memory_budget=",
+    "extra_forward": "disagree",
+    "one_rank_steps": "optimizer steps",
+    "eval_on_one_rank": "training",
+    "shape_on_one_rank": "compile",
+    "branch_on_one_rank": "compile",
+    "module_order_on_one_rank": "module b fetched b.weight, b.bias",
+}
+
+
 def disagreements(
     rank: int,
     world: int,
     timeout: float,
     cases: tuple[str, ...] | None = None,
     device: str = "cpu",
+    mesh: str | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Ranks that differ in the model, the options, the forwards, the optimizer steps, the
     mode or a branch; each case with fresh models, its fault marked at the call where the ranks
-    part. Every case must raise on every rank. `cases`: the names of the cases to run (default
-    all, in their order)."""
+    part. Every case must raise on every rank (`DISAGREEMENTS` says how). `cases`: the names of
+    the cases to run (default all, in their order); `mesh`: every model on this 2-D mesh (a
+    zoo `Case.mesh` spec) instead of the world's group."""
+    from zoo import make_mesh
+
     out = {}
     case = ""
     dev = on(device)
+    where: dict[str, Any] = {"mesh": make_mesh(mesh, device)} if mesh else {}
 
     def mark() -> None:
         mark_fault(case)
@@ -388,7 +412,7 @@ def disagreements(
     def extra_parameter() -> None:
         net = Net(extra=rank == 1).to(dev)
         mark()
-        zrs.compile(net, backend="eager", timeout=timeout)
+        zrs.compile(net, backend="eager", timeout=timeout, **where)
 
     def parameter_order() -> None:
         model = nn.Module()
@@ -396,14 +420,15 @@ def disagreements(
         model.layers = nn.ModuleDict({n: nn.Linear(4, 4 if n == "a" else 8) for n in names})
         model.to(dev)
         mark()
-        zrs.compile(model, backend="eager", timeout=timeout)
+        zrs.compile(model, backend="eager", timeout=timeout, **where)
 
     def memory_budget() -> None:
         mark()
-        zrs.compile(Net().to(dev), backend="eager", timeout=timeout, memory_budget=(rank + 1) << 30)
+        budget = (rank + 1) << 30
+        zrs.compile(Net().to(dev), backend="eager", timeout=timeout, memory_budget=budget, **where)
 
     def extra_forward() -> None:
-        model, opt = build(timeout, device=device)
+        model, opt = build(timeout, device=device, **where)
         xs = batches(rank, 3, device)
         for step in range(3):
             model(xs[step]).sum().backward()
@@ -414,7 +439,7 @@ def disagreements(
             opt.step()
 
     def one_rank_steps() -> None:
-        model, opt = build(timeout, device=device)
+        model, opt = build(timeout, device=device, **where)
         xs = batches(rank, 3, device)
         for step in range(3):
             model(xs[step]).sum().backward()
@@ -424,7 +449,7 @@ def disagreements(
                 opt.step()
 
     def eval_on_one_rank() -> None:
-        model, _ = build(timeout, device=device)
+        model, _ = build(timeout, device=device, **where)
         xs = batches(rank, 2, device)
         model(xs[0]).sum().backward()
         mark()
@@ -433,7 +458,7 @@ def disagreements(
             model(xs[1])
 
     def shape_on_one_rank() -> None:
-        model, opt = build(timeout, device=device)
+        model, opt = build(timeout, device=device, **where)
         # A size of 1 is never symbolic: rank 1 recompiles alone at LOST_PEER_STEP.
         lone = LOST_PEER_STEP
         xs = batches(
@@ -447,13 +472,13 @@ def disagreements(
 
     def module_order_on_one_rank() -> None:
         """zrs.shard: the same modules, run in another order on rank 1 from the first step."""
-        model = zrs.shard(Swapped(swap=rank == 1).to(dev), timeout=timeout)
+        model = zrs.shard(Swapped(swap=rank == 1).to(dev), timeout=timeout, **where)
         x = torch.ones(2, 4, device=dev)
         mark()
         model(x).sum().backward()
 
     def branch_on_one_rank() -> None:
-        model, opt = build(timeout, device=device)
+        model, opt = build(timeout, device=device, **where)
         xs = batches(rank, 3, device)
         for step in range(3):
             if step == 1:
@@ -493,10 +518,12 @@ def peer_lost(
     how: str,
     group_timeout: bool = False,
     device: str = "cpu",
+    mesh: str | None = None,
 ) -> dict[str, Any]:
     """Rank 1 stops (SIGSTOP, `how="stop"`) or is killed (SIGKILL, `how="kill"`) in its backward
     at LOST_PEER_STEP (2); the surviving ranks must raise within the timeout, and refuse to run on.
-    `group_timeout`: the timeout is the process group's (`new_group(timeout=)`), not zrs's.
+    `group_timeout`: the timeout is the process group's (`new_group(timeout=)`), not zrs's;
+    `mesh`: the model on this 2-D mesh (a zoo `Case.mesh` spec).
 
     Under gloo the survivor's first error comes in the step of the fault (its collective waits on
     the host) and the next at step 3; under NCCL the first comes from the step check before step
@@ -504,6 +531,10 @@ def peer_lost(
     if group_timeout:
         group = dist.new_group(timeout=datetime.timedelta(seconds=timeout))
         model, opt = build(None, device=device, process_group=group)
+    elif mesh is not None:
+        from zoo import make_mesh
+
+        model, opt = build(timeout, device=device, mesh=make_mesh(mesh, device))
     else:
         model, opt = build(timeout, device=device)
     xs = batches(rank, LOST_PEER_STEP + 3, device)

@@ -256,17 +256,24 @@ def lightning_runs(rank: int, world: int, root: str, device: str) -> dict:
 
 
 def lightning_loaded(rank: int, world: int, root: str, device: str) -> dict:
-    """A checkpoint of `lightning_runs` loaded at this world size (no step left to train)."""
+    """A checkpoint of `lightning_runs` loaded at this world size (no step left to train); then
+    zrs and DDP each trained from the start at this world size."""
     from zrs.trainers.lightning import Strategy
 
     as_torchrun(rank, world)
     module = lightning_module(shard=True)
     trainer = _trainer(world, SAVE_AT, Strategy(), device)
     trainer.fit(module, _loader(), ckpt_path=os.path.join(root, "ckpt"))
-    return {
+    out = {
         "weights": zrs.full_state_dict(module.net, cpu_offload=True),
         "momenta": _momenta(module),
     }
+    for name, shard, strategy in (("zrs", True, Strategy()), ("ddp", False, "ddp")):
+        module = lightning_module(shard)
+        _trainer(world, STEPS, strategy, device).fit(module, _loader())
+        net = module.net
+        out[name] = zrs.full_state_dict(net, cpu_offload=True) if shard else _cpu(net.state_dict())
+    return out
 
 
 def gpu_runs(rank: int, world: int, root: str) -> dict:

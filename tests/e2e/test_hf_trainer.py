@@ -90,6 +90,7 @@ def _runs(rank: int, world: int, root: str) -> dict:
     trainer = _trainer(sharded, root, "zrs", sharded=True)
     trainer.train()
     out["zrs"] = zrs.full_state_dict(sharded)
+    trainer.save_model(os.path.join(root, "saved"))  # the user's call, on every rank
     resumed = zrs.shard(spec.build())
     trainer = _trainer(resumed, root, "zrs", sharded=True)
     trainer.train(resume_from_checkpoint=os.path.join(root, "zrs", f"checkpoint-{SAVE_AT}"))
@@ -155,6 +156,13 @@ def test_trains_as_trainer_trains_the_unsharded_model_under_ddp(runs):
         assert torch.allclose(zrs_final[key], value, rtol=1e-5, atol=1e-6), key
     assert not torch.equal(zrs_final["transformer.h.0.mlp.c_fc.weight"],
                            spec_of(MODEL).build().state_dict()["transformer.h.0.mlp.c_fc.weight"])  # fmt: skip
+
+
+def test_save_model_writes_the_trained_weights_that_from_pretrained_reads(runs):
+    per_rank, root = runs
+    loaded = type(spec_of(MODEL).build()).from_pretrained(os.path.join(root, "saved"))
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, per_rank[0]["zrs"][key]), key
 
 
 def test_offloaded_it_trains_as_ddp_and_resumes_exactly(runs):

@@ -132,8 +132,8 @@ def test_every_disagreement_raises_the_same_error_on_every_rank():
 
 
 # A rank whose compile parts from its peers (the shape and branch cases) fails in a compiled
-# forward while its peers fail in the backward, and on a mesh that leaves the ranks' next model
-# in different states (docs/hybrid.md): each such case runs last in a group of its own.
+# forward while, on a mesh, some peers fail in the backward with reductions in flight, which the
+# next model's backward still finishes (docs/hybrid.md): each such case runs last in a group.
 _LONE_COMPILES = ("shape_on_one_rank", "branch_on_one_rank")
 _MESH_GROUPS = (
     (*(c for c in faults.DISAGREEMENTS if c not in _LONE_COMPILES), _LONE_COMPILES[0]),

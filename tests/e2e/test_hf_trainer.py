@@ -219,3 +219,5 @@ def test_a_checkpoint_of_2_ranks_loads_on_3_and_trains_on_as_ddp_resumed_alike(r
                     name,
                     key,
                 )
+            # it trained on after the load (the steps from SAVE_AT to STEPS)
+            assert any(not torch.equal(r[name]["final"][k], v) for k, v in saved.items()), name

@@ -19,6 +19,7 @@ from library_runs import (
     check_mesh,
     close,
     lightning_loaded,
+    lightning_module,
     lightning_runs,
 )
 
@@ -60,8 +61,14 @@ def test_the_checkpoint_loads_at_another_world_size():
 
 
 def test_at_3_ranks_it_trains_as_lightning_ddp():
+    initial = lightning_module(shard=False)
+    initial.configure_model()
     for got in _runs(3):
         close(got["zrs"], got["ddp"], RTOL, ATOL)
+        trained = got["zrs"].items()
+        assert any(not torch.equal(v, initial.net.state_dict()[k]) for k, v in trained), (
+            "nothing trained"
+        )
 
 
 def test_a_data_parallel_size_that_repeats_batches_raises_on_every_rank():

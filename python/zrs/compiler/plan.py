@@ -79,8 +79,9 @@ class PlanContext:
     def collective_cost(self) -> str:
         """The collectives' cost model (JSON) the planner plans with: the measured (else the
         device's default) one, with zrs-core's planning margin when there is more than one rank,
-        and the replicas its all-reduces span. The link between replicas is not measured yet:
-        zrs-core's all-reduce then runs at the reduce-scatter's link."""
+        and the replicas its all-reduces span. The link between replicas is the sweep's `inter`
+        (compiler/sweeps.py); without one zrs-core times the all-reduce on the reduce-scatter's
+        link."""
         cost = json.dumps(self.cost, sort_keys=True) if isinstance(self.cost, dict) else self.cost
         planned = _core.planning_cost(cost, self.device_type, self.world)
         if self.replicas > 1:

@@ -297,11 +297,12 @@ def _queue_final_callback(state: ZeroState) -> None:
 
 def end_backward(states: list[ZeroState]) -> None:
     """A backward graph ended: issue the partly filled buckets; finish now unless autograd's
-    final callback will."""
+    final callback will. A broken model is left alone: its reductions may wait on a dead
+    communicator, and its next call raises anyway."""
     task = torch._C._current_graph_task_id()
     for state in states:
         st = state.step
-        if st.bucket is None and not st.reducing:
+        if state.broken is not None or (st.bucket is None and not st.reducing):
             continue
         if st.finish_task != -1 and st.finish_task == task:
             if st.bucket is not None:

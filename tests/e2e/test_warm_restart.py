@@ -8,6 +8,7 @@ disagree about the record compile cold, never hang."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -110,9 +111,36 @@ def test_a_changed_option_model_or_version_compiles_cold(
         assert all(r["meetings"] == list(MEETINGS) for r in again), changed
 
 
+def _torch_entries(cache: Path) -> set[str]:
+    """The keys of a cache folder's AOTAutograd and inductor entries, and inductor's generated
+    code with its bytes. An entry's own bytes are left out: they hold its compile time and the
+    cache folder's path."""
+    entries = set()
+    for path in cache.rglob("*"):
+        parts = path.relative_to(cache).parts
+        if parts[0] == "aotautograd" and len(parts) == 3:
+            entries.add(f"aotautograd key {parts[1]}")
+        elif parts[0] == "fxgraph" and len(parts) == 4:
+            entries.add(f"inductor key {parts[2]}")
+        elif path.suffix in (".py", ".cpp"):
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            entries.add(f"code {'/'.join(parts)} {digest}")
+    return entries
+
+
 def test_ranks_with_different_caches_train_alike(tmp_path: Path) -> None:
     first = _run(tmp_path, per_rank=True)
-    for kept in (tmp_path / "rank1").iterdir():  # rank 1 keeps its record, not torch's caches
+    ranks = [tmp_path / "rank0", tmp_path / "rank1"]
+    assert _torch_entries(ranks[0]) == _torch_entries(ranks[1]), "nothing rank-specific in a key"
+    for kept in ranks[1].iterdir():  # rank 1 takes rank 0's torch caches and keeps its record
+        if kept.name != "zrs_records":
+            shutil.rmtree(kept)
+    for theirs in ranks[0].iterdir():
+        if theirs.name not in ("zrs_records", "locks"):
+            shutil.copytree(theirs, ranks[1] / theirs.name)
+    served = _run(tmp_path, per_rank=True)
+    assert all(r["meetings"] == [] and r["aot_hits"] >= 1 for r in served), "one cache serves all"
+    for kept in ranks[1].iterdir():  # rank 1 keeps its record, not torch's caches
         if kept.name != "zrs_records":
             shutil.rmtree(kept)
     mixed = _run(tmp_path, per_rank=True)
@@ -121,5 +149,5 @@ def test_ranks_with_different_caches_train_alike(tmp_path: Path) -> None:
     shutil.rmtree(tmp_path / "rank1" / "zrs_records")
     cold = _run(tmp_path, per_rank=True)
     assert all(r["meetings"] == list(MEETINGS) for r in cold), "a rank without it: all cold"
-    for r in [*first[1:], *mixed, *cold]:
+    for r in [*first[1:], *served, *mixed, *cold]:
         _same(first[0]["state"], r["state"])

@@ -20,10 +20,19 @@ CPU = torch.device("cpu")
 
 
 @dataclasses.dataclass
+class Offload:
+    """What record_key reads of zrs.runtime.offload.Offload."""
+
+    params: bool = False
+
+
+@dataclasses.dataclass
 class State:
     """What record_key reads of a ZeroState."""
 
     world_size: int = 2
+    replicas: int = 1
+    offload: Offload | None = None
     device: torch.device = CPU
     scheduler: str = "search"
     memory_budget: int | None = None
@@ -60,6 +69,9 @@ def test_one_key_for_the_same_compile_on_every_rank(two_h100s: None) -> None:
 CHANGES = {
     "backend": {"backend": "eager"},
     "world size": {"world_size": 3},
+    "replicas": {"replicas": 2},  # hybrid sharding: the same shard groups, twice as many ranks
+    "offload": {"offload": Offload()},
+    "offload params": {"offload": Offload(params=True)},
     "device type": {"device": torch.device("cuda", 0)},
     "GPU model": {"device": torch.device("cuda", 2)},
     "scheduler": {"scheduler": "greedy"},

@@ -54,11 +54,15 @@ def _example(n: fx.Node) -> str:
 def record_key(state: ZeroState, graph: fx.Graph, backend: str) -> str:
     """What the compiled code depends on besides the caches' own keys: the graph with its inputs'
     kinds, the backend (the record's timings are its code's) and zrs's options, the world, the
-    device (its model, not its index: every rank looks up one key) and the versions."""
+    device (its model, not its index: every rank looks up one key) and the versions. The
+    replicas and the offload mode change the plan (the all-reduce's and the host copies' costs
+    and memory), not the lowered ops."""
+    offload = state.offload and ("params" if state.offload.params else "optimizer")
     parts = [
         f"format {FORMAT}",
         f"zrs {zrs.__version__} torch {torch.__version__}",
-        f"world {state.world_size} device {state.device.type} backend {backend}",
+        f"world {state.world_size} replicas {state.replicas} offload {offload}",
+        f"device {state.device.type} backend {backend}",
         f"scheduler {state.scheduler} budget {state.memory_budget} profile {state.profile}",
         f"keep {state.keep_for_backward} dtypes {state.param_dtype} {state.master_dtype} "
         f"{state.reduce_dtype}",

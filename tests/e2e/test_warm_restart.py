@@ -128,21 +128,24 @@ def _torch_entries(cache: Path) -> set[str]:
     return entries
 
 
+def _drop_torch_caches(cache: Path) -> None:
+    """Empty a cache folder of everything but zrs's records."""
+    for kept in cache.iterdir():
+        if kept.name != "zrs_records":
+            shutil.rmtree(kept)
+
+
 def test_ranks_with_different_caches_train_alike(tmp_path: Path) -> None:
     first = _run(tmp_path, per_rank=True)
     ranks = [tmp_path / "rank0", tmp_path / "rank1"]
     assert _torch_entries(ranks[0]) == _torch_entries(ranks[1]), "nothing rank-specific in a key"
-    for kept in ranks[1].iterdir():  # rank 1 takes rank 0's torch caches and keeps its record
-        if kept.name != "zrs_records":
-            shutil.rmtree(kept)
+    _drop_torch_caches(ranks[1])  # rank 1 takes rank 0's torch caches and keeps its record
     for theirs in ranks[0].iterdir():
         if theirs.name not in ("zrs_records", "locks"):
             shutil.copytree(theirs, ranks[1] / theirs.name)
     served = _run(tmp_path, per_rank=True)
     assert all(r["meetings"] == [] and r["aot_hits"] >= 1 for r in served), "one cache serves all"
-    for kept in ranks[1].iterdir():  # rank 1 keeps its record, not torch's caches
-        if kept.name != "zrs_records":
-            shutil.rmtree(kept)
+    _drop_torch_caches(ranks[1])  # rank 1 keeps its record, not torch's caches
     mixed = _run(tmp_path, per_rank=True)
     assert all(r["meetings"] == [] for r in mixed), "the record alone makes a compile warm"
     assert mixed[0]["aot_hits"] >= 1 and mixed[1]["aot_hits"] == 0

@@ -2,7 +2,8 @@
 depends on besides torch's own cache keys (the graph and its inputs, the backend, zrs's options,
 the world size and the replicas, the offload mode, the GPU model and the versions) and with
 nothing rank-specific: ranks on cuda:0 and cuda:1 look up one key. And a record survives its
-disk round trip and the ranks' agreement at one rank. No compile: end to end, tests/e2e/test_warm_restart.py."""
+disk round trip and the ranks' agreement at one rank. No compile: end to end,
+tests/e2e/test_warm_restart.py."""
 
 from __future__ import annotations
 

@@ -37,7 +37,10 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 
 # A wheel carried again may keep a file's size and (zip) time with new contents: its bytecode,
 # and that of anything else installed under /tmp, is never reused from an earlier call.
+# Then compile it, as pip does at install: a first-step number must not include compiling zrs's
+# (or DeepSpeed's) modules from source, which a user's install never pays.
 rm -rf "$PYTHONPYCACHEPREFIX/tmp"
+python3 -m compileall -q -j 0 /tmp/site >/dev/null 2>&1 || true
 if [ ! -e "$PYTHONPYCACHEPREFIX/.complete" ]; then
   purelib=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   t0=$(date +%s)

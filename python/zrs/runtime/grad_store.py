@@ -6,7 +6,10 @@ captured with, so with a `GradStore` each bucket reduces into a *region* that st
 the same bucket (named by its first member and its size, which the plan fixes) lands at the same
 address every step, and `.grad` set to None by `zero_grad()` comes back at the same place, at no
 cost per step. The price is memory: the regions stay allocated through the forward, as gradients
-kept by `zero_grad(set_to_none=False)` do.
+kept by `zero_grad(set_to_none=False)` do. GraphedStep makes the store at the end of its warmup,
+so the warmup's gradients come and go as without it. Inside `zrs.CapturedStep` the first backward
+with a store is the capture's: the regions come from the captured step's memory pool, in blocks
+that its forward's activations had used, and the step peaks where the uncaptured one does.
 
 A region is reused only when nothing still holds it: every parameter that took its gradient from
 it last has `.grad` None again. Otherwise (gradient accumulation over micro-batches, or

@@ -170,7 +170,7 @@ class CapturedStep:
             # A parameter or the optimizer state moved, or a model changed mode, since the
             # capture: warm up and capture again (a new mode may compile new code, which cannot
             # happen under capture).
-            sig.graph = None
+            self._drop(sig)
             sig.calls = 1
             _log.info("%s: capturing again (parameters, optimizer state or mode changed)", WHO)
             return self.step_fn(*args, **kwargs)
@@ -330,7 +330,15 @@ class CapturedStep:
     def _forget(self) -> None:
         """An optimizer loaded a state dict: its state tensors are new, so capture again."""
         for sig in self.signatures.values():
-            sig.graph = None
+            self._drop(sig)
+
+    def _drop(self, sig: Signature) -> None:
+        """Forget `sig`'s graph. Once no graph holds the pool, the next capture takes a new
+        one: torch refuses to capture into a pool whose graphs are all gone while tensors made
+        in it live on (the gradient regions of runtime/grad_store.py, which stay in use)."""
+        sig.graph = None
+        if not self.captured:
+            self.pool = None
 
 
 # Every CapturedStep alive, for destroy_process_group to close (`close_before_destroy`).

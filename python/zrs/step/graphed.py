@@ -128,11 +128,6 @@ class GraphedStep:
         self.graph: list[Callable[[], None]] | None = None
         self.captured: list[tuple[torch.Tensor, int]] = []  # (param, its grad's address)
         self.fixed: Hyperparameters | None = None  # taken after the warmup
-        # Reduced gradients at fixed addresses for every zrs model this optimizer trains.
-        ids = {id(p) for p in params}
-        for state in LIVE.models():
-            if state.grad_store is None and any(id(h.param) in ids for h in state.handles):
-                state.grad_store = GradStore()
         optimizer.register_load_state_dict_post_hook(lambda _opt: self._forget())
 
     @property
@@ -150,6 +145,8 @@ class GraphedStep:
         self.calls += 1
         if self.calls <= self.warmup:
             self._run()
+            if self.calls == self.warmup:
+                self._keep_grads_in_place()
             return self.norm
         if self.fixed is None:
             self.fixed = Hyperparameters(self.optimizer, "zrs.GraphedStep")
@@ -162,6 +159,19 @@ class GraphedStep:
         else:
             self._replay()
         return self.norm
+
+    def _keep_grads_in_place(self) -> None:
+        """From the next backward on, every zrs model this optimizer trains reduces its
+        gradients into regions that stay allocated (runtime/grad_store.py), where the graph reads
+        them. Not before: through the warmup the gradients come and go as without GraphedStep.
+        Inside zrs.CapturedStep, whose capture is the next backward, the regions then come from
+        the captured step's memory pool, in blocks its forward's activations had used; made
+        earlier, they stayed allocated beside those activations (one set of gradient shards
+        above the uncaptured step's peak)."""
+        ids = {id(p) for p in self._params()}
+        for state in LIVE.models():
+            if state.grad_store is None and any(id(h.param) in ids for h in state.handles):
+                state.grad_store = GradStore()
 
     # --- the step ---------------------------------------------------------------------------
 

@@ -8,7 +8,6 @@ disagree about the record compile cold, never hang."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from _dist import run_workers
+from compile_caches import drop_torch_caches, take_torch_caches, torch_entries
 
 pytestmark = pytest.mark.slow
 MEETINGS = ("rank_check", "sweep")
@@ -111,41 +111,14 @@ def test_a_changed_option_model_or_version_compiles_cold(
         assert all(r["meetings"] == list(MEETINGS) for r in again), changed
 
 
-def _torch_entries(cache: Path) -> set[str]:
-    """The keys of a cache folder's AOTAutograd and inductor entries, and inductor's generated
-    code with its bytes. An entry's own bytes are left out: they hold its compile time and the
-    cache folder's path."""
-    entries = set()
-    for path in cache.rglob("*"):
-        parts = path.relative_to(cache).parts
-        if parts[0] == "aotautograd" and len(parts) == 3:
-            entries.add(f"aotautograd key {parts[1]}")
-        elif parts[0] == "fxgraph" and len(parts) == 4:
-            entries.add(f"inductor key {parts[2]}")
-        elif path.suffix in (".py", ".cpp"):
-            digest = hashlib.sha256(path.read_bytes()).hexdigest()
-            entries.add(f"code {'/'.join(parts)} {digest}")
-    return entries
-
-
-def _drop_torch_caches(cache: Path) -> None:
-    """Empty a cache folder of everything but zrs's records."""
-    for kept in cache.iterdir():
-        if kept.name != "zrs_records":
-            shutil.rmtree(kept)
-
-
 def test_ranks_with_different_caches_train_alike(tmp_path: Path) -> None:
     first = _run(tmp_path, per_rank=True)
     ranks = [tmp_path / "rank0", tmp_path / "rank1"]
-    assert _torch_entries(ranks[0]) == _torch_entries(ranks[1]), "nothing rank-specific in a key"
-    _drop_torch_caches(ranks[1])  # rank 1 takes rank 0's torch caches and keeps its record
-    for theirs in ranks[0].iterdir():
-        if theirs.name not in ("zrs_records", "locks"):
-            shutil.copytree(theirs, ranks[1] / theirs.name)
+    assert torch_entries(ranks[0]) == torch_entries(ranks[1]), "nothing rank-specific in a key"
+    take_torch_caches(ranks[0], ranks[1])  # rank 1 keeps its record
     served = _run(tmp_path, per_rank=True)
     assert all(r["meetings"] == [] and r["aot_hits"] >= 1 for r in served), "one cache serves all"
-    _drop_torch_caches(ranks[1])  # rank 1 keeps its record, not torch's caches
+    drop_torch_caches(ranks[1])  # rank 1 keeps its record, not torch's caches
     mixed = _run(tmp_path, per_rank=True)
     assert all(r["meetings"] == [] for r in mixed), "the record alone makes a compile warm"
     assert mixed[0]["aot_hits"] >= 1 and mixed[1]["aot_hits"] == 0

@@ -106,10 +106,18 @@ def _worker_entry(
     init_method: str,
     out_dir: str,
     backend: str,
+    virtual_local_rank: bool = False,
 ) -> None:
     torch.set_num_threads(1)
+    device = rank
+    if backend == "nccl" and virtual_local_rank:
+        # As `torchrun --virtual-local-rank` starts a rank: it sees its own GPU alone, as cuda:0
+        # (set before anything initialises CUDA in this fresh process).
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[rank] if visible else str(rank)
+        device = 0
     if backend == "nccl":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(device)
     # On SIGUSR1 (sent by the parent at its deadline) dump every thread's stack to stderr, so
     # that a hang shows where each rank is stuck. Likewise on SIGTERM, which torch's spawn sends
     # to the other ranks when one raises: often the raising rank only timed out waiting for a
@@ -124,7 +132,7 @@ def _worker_entry(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT),
             # NCCL: bind the rank's GPU now (else barrier() warns that it guesses the device)
-            device_id=torch.device("cuda", rank) if backend == "nccl" else None,
+            device_id=torch.device("cuda", device) if backend == "nccl" else None,
         )
         result = fn(rank, world_size, *args)
         dist.barrier()
@@ -169,9 +177,11 @@ def run_workers(
     *args: Any,
     timeout: float | None = None,
     backend: str = "gloo",
+    virtual_local_rank: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks of a ``backend`` process
-    group (gloo; or nccl, rank r on GPU r); return their results.
+    group (gloo; or nccl, rank r on GPU r, which it sees as cuda:0 alone with
+    ``virtual_local_rank``, as torchrun's flag of that name does); return their results.
 
     ``fn`` must be a module-level (picklable) function. Raises ``WorkerError`` if any rank
     raised or died (with every failing rank's traceback) and ``WorkerTimeout`` if the ranks do
@@ -183,7 +193,7 @@ def run_workers(
         with _patched_env(_worker_env(backend, world_size)):
             ctx = mp.start_processes(
                 _worker_entry,
-                args=(fn, world_size, args, init_method, tmp, backend),
+                args=(fn, world_size, args, init_method, tmp, backend, virtual_local_rank),
                 nprocs=world_size,
                 join=False,
                 start_method="spawn",

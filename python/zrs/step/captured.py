@@ -26,10 +26,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zrs._core import ZrsError
 from zrs.runtime.grad_store import GradStore
-from zrs.runtime.handles import LIVE, local_tensor
+from zrs.runtime.handles import LIVE
 from zrs.runtime.state import ZeroState
 from zrs.step.replay import MAX_RECAPTURES, Hyperparameters, replay_with_hooks
 from zrs.step.replay_watch import ReplayWatch, close_before_destroy, nccl_backends
+from zrs.step.signature import held, mode, signature
 
 _log = logging.getLogger("zrs")
 
@@ -159,7 +160,7 @@ class CapturedStep:
             self.close()
             raise ZrsError(self.broken)
         flat, spec = tree_flatten((args, kwargs))
-        key = (spec, tuple(_signature(v) for v in flat), _mode())
+        key = (spec, tuple(signature(v) for v in flat), mode())
         sig = self.signatures.get(key)
         if sig is None:
             sig = self.signatures[key] = Signature()
@@ -355,45 +356,9 @@ def _close_all() -> None:
         step.close()
 
 
-def _signature(value: Any) -> Hashable:
-    if isinstance(value, torch.Tensor):
-        return (value.device, value.dtype, tuple(value.shape), value.stride())
-    try:
-        hash(value)
-    except TypeError:
-        raise ZrsError(
-            f"{WHO}: an argument of type {type(value).__name__} is neither a tensor nor hashable; "
-            "a captured step takes tensors (copied into the graph's inputs) and constants"
-        ) from None
-    return (type(value), value)
-
-
-def _mode() -> Hashable:
-    """The global modes a replay would not see change: grad mode and autocast."""
-    autocast = torch.is_autocast_enabled("cuda")
-    return torch.is_grad_enabled(), autocast and torch.get_autocast_dtype("cuda")
-
-
 def _held(entry: Graph) -> Hashable:
-    """What the graph assumes stays as captured: the addresses it reads and writes in place
-    (every captured model's shards, each stepped optimizer's parameters and state), and what
-    changes the step its models run (every module's train/eval flag, which parameters train)."""
-    out: list[Hashable] = []
-    for ref, _, _ in entry.counts:
-        state = ref()
-        if state is None:
-            continue
-        module = state.module() if state.module is not None else None
-        out.append(tuple(m.training for m in module.modules()) if module is not None else ())
-        out.extend((h.shard.data_ptr(), h.param.requires_grad) for h in state.handles)
-    for opt in (f.optimizer for f in entry.optimizers):
-        for group in opt.param_groups:
-            for p in group["params"]:
-                out.append(local_tensor(p).data_ptr())
-                for v in opt.state.get(p, {}).values():
-                    if isinstance(v, torch.Tensor):
-                        out.append(local_tensor(v).data_ptr())
-    return tuple(out)
+    """What `entry` assumes stays as captured (`signature.held`)."""
+    return held([ref for ref, _, _ in entry.counts], [f.optimizer for f in entry.optimizers])
 
 
 def _fresh(entry: Graph) -> Any:

@@ -2,7 +2,8 @@
 CUDA graph gives bit-identical parameters, losses and norms to the same step run eagerly: fp32,
 bf16 compute over fp32 masters and bf16 masters (master_dtype), SGD-momentum and AdamW, clipped,
 through a non-finite step, and a Hugging Face Llama on two sequence lengths (one graph each). What
-cannot be captured raises ZrsError.
+cannot be captured raises ZrsError. With `zrs.GraphedStep` inside, the captured step peaks no
+higher than a plain step, but for the graph's copy of the batch.
 
 At world 2 (the suite's run on two GPUs) the captured step's collectives replay from the graph;
 every rank's parameters must equal rank 0's, and the graphs hold NCCL work when the worker's

@@ -7,8 +7,6 @@ disagree about the record compile cold, never hang."""
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import shutil
 from pathlib import Path
 
@@ -16,48 +14,19 @@ import pytest
 import torch
 
 from _dist import run_workers
-from compile_caches import drop_torch_caches, take_torch_caches, torch_entries
+from compile_caches import (
+    MEETINGS,
+    drop_torch_caches,
+    take_torch_caches,
+    torch_entries,
+    train_tiny_llama,
+)
 
 pytestmark = pytest.mark.slow
-MEETINGS = ("rank_check", "sweep")
-
-
-def _train(rank: int, world: int, cache: str, per_rank: bool, layers: int, options: dict) -> dict:
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{cache}/rank{rank}" if per_rank else cache
-    if options.pop("caches_off", False) and rank == 1:
-        from torch._inductor import config as inductor_config
-
-        inductor_config.fx_graph_cache = False
-    from torch._dynamo.utils import counters
-
-    import zrs
-    from llama import PRESETS, Llama
-
-    if options.pop("version", None):
-        zrs.__version__ = "0.0.0+changed"
-    artifacts = Path(options.pop("artifacts", cache)) / f"artifacts{rank}"
-    if options.pop("load", False):
-        zrs.load_cache_artifacts(artifacts.read_bytes())
-    torch.manual_seed(0)
-    cfg = dataclasses.replace(PRESETS["tiny"], n_layers=layers)
-    model = zrs.compile(Llama(cfg), **options)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(2):
-        g = torch.Generator().manual_seed(10 * step + rank)
-        x = torch.randint(0, cfg.vocab_size, (cfg.micro_batch, cfg.seq_len), generator=g)
-        model(x).float().pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-    artifacts.write_bytes(zrs.save_cache_artifacts())
-    return {
-        "state": zrs.full_state_dict(model),
-        "meetings": [m for m in MEETINGS if m in model._zrs_state.compile_s],
-        "aot_hits": counters["aot_autograd"].get("autograd_cache_hit", 0),
-    }
 
 
 def _run(cache: Path, layers: int = 2, per_rank: bool = False, **options) -> list[dict]:
-    return run_workers(_train, 2, str(cache), per_rank, layers, options, timeout=600)
+    return run_workers(train_tiny_llama, 2, str(cache), per_rank, layers, options, timeout=600)
 
 
 def _same(a: dict, b: dict) -> None:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from _dist import run_workers
-from compile_caches import take_torch_caches, torch_entries
+from compile_caches import MEETINGS, take_torch_caches, torch_entries, train_tiny_llama
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,41 +27,14 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning"),
 ]
 
-MEETINGS = ("rank_check", "sweep")
-
-
-def _train(rank: int, world: int, cache: str) -> dict:
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{cache}/rank{rank}"
-    from torch._dynamo.utils import counters
-
-    import zrs
-    from llama import PRESETS, Llama
-
-    device = torch.device("cuda", torch.cuda.current_device())
-    cfg = PRESETS["tiny"]
-    torch.manual_seed(0)
-    model = zrs.compile(Llama(cfg).to(device))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(2):
-        g = torch.Generator().manual_seed(10 * step + rank)
-        x = torch.randint(0, cfg.vocab_size, (cfg.micro_batch, cfg.seq_len), generator=g)
-        model(x.to(device)).float().pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-    return {
-        "device": str(device),
-        "state": {k: v.cpu() for k, v in zrs.full_state_dict(model).items()},
-        "meetings": [m for m in MEETINGS if m in model._zrs_state.compile_s],
-        "aot_hits": counters["aot_autograd"].get("autograd_cache_hit", 0),
-    }
-
 
 def _run(cache: Path) -> list[dict]:
     world = int(os.environ.get("ZRS_GPU_WORLD") or torch.cuda.device_count())
     if world < 2:
         pytest.skip("one cache for every rank needs two ranks (ZRS_GPU_WORLD=1)")
+    args = (str(cache), True, 2, {})  # per-rank caches, 2 layers, zrs's default options
     return run_workers(
-        _train, world, str(cache), backend="nccl", virtual_local_rank=True, timeout=600
+        train_tiny_llama, world, *args, backend="nccl", virtual_local_rank=True, timeout=600
     )
 
 

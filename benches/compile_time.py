@@ -21,6 +21,8 @@ kept whole under "record") is summarised into the phases below, in seconds, rank
   zrs_passes     zero3 lowering, keep, buckets, coalesce (zrs's own, inside inductor)
   profile, plan  zrs's profile of the graph's ops and the Rust planner
   exchanges      zrs's compile-time rank meetings: the rank check, the budget, the timed sweep
+  gc_full        Python's full garbage collections over the build and first step (they walk
+                 every object a compile has made so far)
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def breakdown(record: dict) -> dict[str, float]:
         "profile": _get(z, "profile"),
         "plan": _get(z, "plan"),
         "exchanges": _get(z, *EXCHANGES),
+        "gc_full": _get(record.get("first_step_gc_s") or {}, "full_s"),
     }
     return {k: round(v, 2) for k, v in phases.items()}
 
@@ -149,7 +152,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
 
 COLUMNS = (
     "first_step", "dynamo", "aot", "region_traces", "inductor", "codegen", "lowering",
-    "scheduling", "triton", "zrs_passes", "profile", "plan", "exchanges",
+    "scheduling", "triton", "zrs_passes", "profile", "plan", "exchanges", "gc_full",
 )  # fmt: skip
 
 

@@ -1,7 +1,10 @@
 """What the harness reads off torch and the device: a device sync (before a clock is read), the
-peak memory, and dynamo's graph count and compile timers."""
+peak memory, dynamo's graph count and compile timers, and the garbage collector's time."""
 
 from __future__ import annotations
+
+import gc
+import time
 
 import torch
 
@@ -30,3 +33,33 @@ def compile_phases(least_s: float = 0.5) -> dict[str, float]:
     return {
         n: round(float(v), 2) for n, v in zip(names, values, strict=True) if float(v) >= least_s
     }
+
+
+class CollectorTime:
+    """Time Python's garbage collector spends between `start()` and `stop()`, by generation: a
+    compile creates millions of objects, and each full collection walks all of them."""
+
+    def __init__(self) -> None:
+        self.seconds = [0.0, 0.0, 0.0]
+        self.counts = [0, 0, 0]
+        self._began = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+            return
+        gen = min(int(info["generation"]), 2)
+        self.seconds[gen] += time.perf_counter() - self._began
+        self.counts[gen] += 1
+
+    def start(self) -> None:
+        gc.callbacks.append(self._callback)
+
+    def stop(self) -> dict[str, float | int]:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+        return {
+            "young_s": round(self.seconds[0] + self.seconds[1], 2),
+            "full_s": round(self.seconds[2], 2),
+            "full_collections": self.counts[2],
+        }

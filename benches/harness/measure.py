@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from harness.data import Data, varlen_metrics
-from harness.device import compile_phases, dynamo_graphs, max_memory, sync
+from harness.device import CollectorTime, compile_phases, dynamo_graphs, max_memory, sync
 from harness.profiling import (
     TRACE_STEPS,
     artifact_path,
@@ -40,6 +40,9 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
 
     first_prof = cProfile.Profile() if args.first_profile is not None else None
+    collector = CollectorTime()
+    collector.start()
+    first_step_gc: dict = {}
     t0 = time.perf_counter()
     if first_prof is not None:
         first_prof.enable()
@@ -52,6 +55,7 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
         if i == 0:
             sync(device)
             first_step_s = time.perf_counter() - t0
+            first_step_gc = collector.stop()
             if first_prof is not None:
                 first_prof.disable()
     sync(device)
@@ -129,6 +133,7 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
         "warmup_s": round(first_step_s, 2),
         "warmup_total_s": round(warmup_total_s, 2),
         "compile_phases_s": compile_phases(),
+        "first_step_gc_s": first_step_gc,  # rank 0's
         "loss": round(loss_t.item(), 4),
         "warmup_steps": warmup,
         "steps": args.steps,

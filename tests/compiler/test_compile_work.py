@@ -8,6 +8,7 @@ the first layer's input (an embedding's output) another (compiler/regions.py).
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -100,6 +101,47 @@ def test_compile_work_is_flat_from_4_to_32_layers() -> None:
     ]
     params = 6  # the block's norm, up and down weights and biases
     assert all(n <= 6 * params for n in per_layer), per_layer
+
+
+class _ThresholdProbe(nn.Module):
+    """Notes the collector's thresholds inside its forward, and raises when told to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.seen: list[tuple[int, ...]] = []
+        self.fail = False
+
+    @torch.compiler.disable
+    def note(self) -> None:
+        self.seen.append(gc.get_threshold())
+        if self.fail:
+            raise ValueError("the forward failed")
+
+    def forward(self, x):
+        self.note()
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("prepare", ["compile", "shard"])
+def test_the_forward_defers_full_garbage_collections(prepare: str) -> None:
+    """No full collection inside zrs's forward (a compile makes millions of objects, and each
+    full collection walks them all); the thresholds come back after it, raised or not."""
+    before = gc.get_threshold()
+    probe = _ThresholdProbe()
+    try:
+        model = zrs.compile(probe, backend="eager") if prepare == "compile" else zrs.shard(probe)
+        model(torch.randn(2, 3)).sum().backward()
+        assert gc.get_threshold() == before
+        probe.fail = True
+        with pytest.raises(ValueError, match="the forward failed"):
+            model(torch.randn(2, 3))
+    finally:
+        runtime.reset()
+    assert gc.get_threshold() == before
+    assert len(probe.seen) == 2, probe.seen
+    for inside in probe.seen:
+        assert inside[:2] == before[:2] and inside[2] > 1_000_000, (inside, before)
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])

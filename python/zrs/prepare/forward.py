@@ -1,11 +1,14 @@
 """The model's forward as zrs runs it, the recipe's last step: floating-point inputs cast to the
 compute dtype, then a call (the compiled forward of `zrs.compile`, or the module's own for
-`zrs.shard`) between the step check and the root unit of the eager path (`units.py`); a forward
-that raises leaves nothing behind (`ZeroState.abandon_step`)."""
+`zrs.shard`) between the step check and the root unit of the eager path (`units.py`), with
+Python's full garbage collections deferred to its end; a forward that raises leaves nothing
+behind (`ZeroState.abandon_step`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -92,7 +95,8 @@ def guarded(model: nn.Module, call: Callable[..., Any]) -> Callable[..., Any]:
         check((args, kwargs))
         try:
             begin()
-            out = call(*args, **kwargs)
+            with full_collections_deferred():
+                out = call(*args, **kwargs)
             end(out)
             return out
         except Exception as e:
@@ -100,3 +104,27 @@ def guarded(model: nn.Module, call: Callable[..., Any]) -> Callable[..., Any]:
             raise
 
     return forward
+
+
+# More young collections than any compile makes: no full collection starts inside the block.
+_DEFERRED_FULL_THRESHOLD = 1 << 30
+
+
+@contextlib.contextmanager
+def full_collections_deferred() -> Iterator[None]:
+    """No full (generation 2) garbage collection inside the block; the young generations still
+    collect, and refcounting frees the rest at once.
+
+    A compile (a first forward, a recompile, zrs.shard's compiled layers) makes millions of
+    objects: FX nodes, fake tensors, sympy expressions. Each time the heap has grown by a
+    quarter, a full collection walks all of it again; in the forward of a compile, most of the
+    collector's time. The first full collection after the block pays for the deferred ones
+    once. Torch 2.11 runs only a young collection after a compile
+    (`torch._dynamo.config.run_gc_after_compile`); pytorch/pytorch PR #193289 defers full
+    collections inside dynamo in the same way."""
+    thresholds = gc.get_threshold()
+    gc.set_threshold(thresholds[0], thresholds[1], _DEFERRED_FULL_THRESHOLD)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)

@@ -33,6 +33,7 @@ def _record() -> dict:
             budget=0.1,
             sweep=0.7,
         ),
+        "first_step_gc_s": {"young_s": 0.4, "full_s": 1.5, "full_collections": 3},
         "step_ms_med": 101.5,
     }
 
@@ -45,6 +46,7 @@ def test_inductor_excludes_zrs_passes_and_aot_excludes_inductor() -> None:
     assert b["inductor"] == 7.5  # 11 - the passes, profile and plan (3.5) that ran inside it
     assert (b["zrs_passes"], b["profile"], b["plan"], b["exchanges"]) == (1.0, 2.0, 0.5, 1.0)
     assert (b["codegen"], b["lowering"], b["scheduling"], b["triton"]) == (3.0, 2.5, 0.75, 1.25)
+    assert b["gc_full"] == 1.5
 
 
 def test_a_record_without_zrs_timers_is_torch_only() -> None:

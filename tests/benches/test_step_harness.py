@@ -20,7 +20,7 @@ FIELDS = {
     "step_ms_each", "tok_s_gpu", "mfu", "peak_GiB", "peak_GiB_all", "build_s", "warmup_s",
     "warmup_total_s", "compile_phases_s", "loss", "warmup_steps", "steps", "params_M",
     "micro_batch", "seq_len", "layers", "param_dtype", "master_dtype", "reduce_dtype",
-    "cudnn_sdpa", "device", "torch", "nccl", "env", "command", "time",
+    "cudnn_sdpa", "device", "torch", "nccl", "env", "command", "time", "first_step_gc_s",
 }  # fmt: skip
 
 
@@ -45,6 +45,8 @@ def test_step_writes_a_record_per_system_and_tables_them(tmp_path):
         assert "error" not in r, r["error"]
         assert r.keys() >= FIELDS, FIELDS - r.keys()
         assert r["world"] == 1 and r["preset"] == "tiny" and len(r["step_ms_each"]) == 1
+        gc_s = r["first_step_gc_s"]
+        assert gc_s.keys() == {"young_s", "full_s", "full_collections"}, gc_s
     assert "zrs" in records[0] and records[2]["compile_backend"] == "aot_eager"
 
     lines = _step("--table", str(out), cwd=tmp_path).stdout.splitlines()

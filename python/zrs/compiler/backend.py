@@ -46,6 +46,7 @@ from zrs.compiler.torch_fixes import (
     region_schemas_built_once,
     register_inductor_fallbacks,
 )
+from zrs.runtime.exchange import first_line
 from zrs.runtime.ops import SCHEMAS
 from zrs.runtime.state import ZeroState
 
@@ -169,7 +170,7 @@ def make_backend(state: ZeroState, backend: str):
                 "layer is compiled on its own instead",
                 graph_id,
                 type(e).__name__,
-                str(e).splitlines()[0] if str(e) else "",
+                first_line(e),
             )
             inline_regions(gm)
             with _progress(what, "compiling again, each layer on its own"):

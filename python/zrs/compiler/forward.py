@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_leaves
 from zrs import integrations
 from zrs._core import ZrsError
 from zrs.prepare.sharding import drop_regions
+from zrs.runtime.exchange import first_line
 
 _log = logging.getLogger("zrs")
 
@@ -72,7 +73,7 @@ def compile_forward(
                 "zrs: the model's repeated blocks cannot be compiled once and reused (%s: %s); "
                 "each layer is compiled on its own instead",
                 type(e).__name__,
-                str(e).splitlines()[0] if str(e) else "",
+                first_line(e),
             )
             flat = True
             name = _name(entry, flat, symbolic)

@@ -98,6 +98,13 @@ def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta:
         return dist.distributed_c10d._get_process_group_store(group).timeout
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message, or "": enough to name it in a log line or in
+    another rank's error, without a compiler's dump or a collective's backtrace."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
 def first_difference(a: list[str], b: list[str]) -> tuple[int, str, str]:
     """The index of the first line where `a` and `b` differ, and both lines there."""
     i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 from zrs._core import Registry, ZrsError
 from zrs.runtime import streams
 from zrs.runtime.additions import Additions
-from zrs.runtime.exchange import Peers, all_gather_ints
+from zrs.runtime.exchange import Peers, all_gather_ints, first_line
 from zrs.runtime.grad_store import GradStore
 from zrs.runtime.handles import LIVE, ParamHandle
 from zrs.runtime.offload import Offload
@@ -192,7 +192,7 @@ class ZeroState:
         """The ZrsError for a failed collective or meeting; marks the model broken."""
         why = self.peers.explain() if self.peers is not None else None
         if why is None:
-            cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            cause = first_line(exc) or type(exc).__name__
             why = (
                 f"a peer stalled past the timeout ({self.timeout.total_seconds():g} s), died, "
                 f"or stopped issuing this model's collectives ({cause})"
@@ -336,9 +336,8 @@ class ZeroState:
         """The model's forward raised on this rank: wait for and drop what the step holds, and
         leave the reason for the peers."""
         if self.peers is not None and self.broken is None:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             self.peers.note(
-                f"rank {self.rank} raised {type(exc).__name__}({first!r}) in forward call "
+                f"rank {self.rank} raised {type(exc).__name__}({first_line(exc)!r}) in forward call "
                 f"{self.forwards}"
             )
         eager_busy = self.fetcher is not None and self.fetcher.busy()

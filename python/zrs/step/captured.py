@@ -25,6 +25,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zrs._core import ZrsError
+from zrs.runtime.exchange import first_line
 from zrs.runtime.grad_store import GradStore
 from zrs.runtime.handles import LIVE
 from zrs.runtime.state import ZeroState
@@ -232,7 +233,7 @@ class CapturedStep:
         except Exception as exc:
             sig.eager = True
             raise ZrsError(
-                f"{WHO}: the step could not be captured as a CUDA graph ({_first_line(exc)}). "
+                f"{WHO}: the step could not be captured as a CUDA graph ({first_line(exc) or type(exc).__name__}). "
                 "Inside a captured step nothing may wait for the GPU or copy from pageable host "
                 "memory: no .item(), bool(tensor), print(tensor) or torch.cuda.synchronize(); "
                 "pass the batch as CUDA tensors; clip and skip non-finite steps with "
@@ -365,8 +366,3 @@ def _fresh(entry: Graph) -> Any:
     """The step's outputs, copied out of the graph's static ones."""
     outs = [o.clone() if isinstance(o, torch.Tensor) else o for o in entry.outputs]
     return tree_unflatten(outs, entry.out_spec)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

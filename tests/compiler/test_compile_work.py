@@ -103,18 +103,25 @@ def test_compile_work_is_flat_from_4_to_32_layers() -> None:
     assert all(n <= 6 * params for n in per_layer), per_layer
 
 
-class _ThresholdProbe(nn.Module):
-    """Notes the collector's thresholds inside its forward, and raises when told to."""
+class _CollectorProbe(nn.Module):
+    """Notes the collector's thresholds inside its forward, keeps `churn` new lists alive while
+    it runs (as a compile keeps its objects), and raises when told to."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(3, 3)
         self.seen: list[tuple[int, ...]] = []
+        self.inside = False
+        self.churn = 0
         self.fail = False
 
     @torch.compiler.disable
     def note(self) -> None:
+        self.inside = True
         self.seen.append(gc.get_threshold())
+        kept = [[] for _ in range(self.churn)]
+        self.inside = False
+        del kept
         if self.fail:
             raise ValueError("the forward failed")
 
@@ -123,14 +130,18 @@ class _ThresholdProbe(nn.Module):
         return self.lin(x)
 
 
+def _prepared(probe: _CollectorProbe, prepare: str) -> nn.Module:
+    return zrs.compile(probe, backend="eager") if prepare == "compile" else zrs.shard(probe)
+
+
 @pytest.mark.parametrize("prepare", ["compile", "shard"])
 def test_the_forward_defers_full_garbage_collections(prepare: str) -> None:
-    """No full collection inside zrs's forward (a compile makes millions of objects, and each
-    full collection walks them all); the thresholds come back after it, raised or not."""
+    """No automatic full collection inside zrs's forward (a compile makes millions of objects,
+    and each full collection walks them all); the thresholds come back after it, raised or not."""
     before = gc.get_threshold()
-    probe = _ThresholdProbe()
+    probe = _CollectorProbe()
     try:
-        model = zrs.compile(probe, backend="eager") if prepare == "compile" else zrs.shard(probe)
+        model = _prepared(probe, prepare)
         model(torch.randn(2, 3)).sum().backward()
         assert gc.get_threshold() == before
         probe.fail = True
@@ -142,6 +153,35 @@ def test_the_forward_defers_full_garbage_collections(prepare: str) -> None:
     assert len(probe.seen) == 2, probe.seen
     for inside in probe.seen:
         assert inside[:2] == before[:2] and inside[2] > 1_000_000, (inside, before)
+
+
+@pytest.mark.parametrize("prepare", ["compile", "shard"])
+def test_a_forward_that_churned_ends_with_one_full_collection(prepare: str) -> None:
+    """A forward that made as many young collections as would start a full one (a compile) runs
+    that one full collection at its end, not at some later point (inside a CUDA graph capture);
+    a forward that made few runs none."""
+    full: list[bool] = []  # a full collection: whether it ran inside the churning call
+
+    def on_collect(phase: str, info: dict) -> None:
+        if phase == "stop" and info["generation"] == 2:
+            full.append(probe.inside)
+
+    probe = _CollectorProbe()
+    try:
+        model = _prepared(probe, prepare)
+        model(torch.randn(2, 3)).sum().backward()  # any compile, before the count
+        gc.callbacks.append(on_collect)
+        try:
+            model(torch.randn(2, 3))
+            quiet = list(full)
+            probe.churn = 300_000  # about 40 young collections of generation 1
+            model(torch.randn(2, 3))
+        finally:
+            gc.callbacks.remove(on_collect)
+    finally:
+        runtime.reset()
+    assert quiet == [], quiet
+    assert full == [False], full
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])

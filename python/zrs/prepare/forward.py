@@ -112,19 +112,28 @@ _DEFERRED_FULL_THRESHOLD = 1 << 30
 
 @contextlib.contextmanager
 def full_collections_deferred() -> Iterator[None]:
-    """No full (generation 2) garbage collection inside the block; the young generations still
-    collect, and refcounting frees the rest at once.
+    """No automatic full (generation 2) garbage collection inside the block, and one at its end
+    if the block made as many young collections as would have started one (a compile); the
+    young generations still collect inside, and refcounting frees the rest at once.
 
     A compile (a first forward, a recompile, zrs.shard's compiled layers) makes millions of
     objects: FX nodes, fake tensors, sympy expressions. Each time the heap has grown by a
     quarter, a full collection walks all of it again; in the forward of a compile, most of the
-    collector's time. The first full collection after the block pays for the deferred ones
-    once. Torch 2.11 runs only a young collection after a compile
-    (`torch._dynamo.config.run_gc_after_compile`); pytorch/pytorch PR #193289 defers full
-    collections inside dynamo in the same way."""
+    collector's time. The one at the end pays for the deferred ones, at a known point: left to
+    the next automatic one, it ran inside a later CUDA graph capture (`zrs.GraphedStep`'s in
+    tests/gpu/test_captured_gpu.py), and what it freed there invalidated the capture. Torch 2.11 runs only
+    a young collection after a compile (`torch._dynamo.config.run_gc_after_compile`);
+    pytorch/pytorch PR #193289 defers full collections inside dynamo in the same way. Python
+    3.14's incremental collector has no third threshold (it reads 0): nothing changes there."""
     thresholds = gc.get_threshold()
+    if not thresholds[2]:
+        yield
+        return
+    young_before = gc.get_count()[2]  # young (generation 1) collections since the last full one
     gc.set_threshold(thresholds[0], thresholds[1], _DEFERRED_FULL_THRESHOLD)
     try:
         yield
     finally:
         gc.set_threshold(*thresholds)
+        if gc.isenabled() and gc.get_count()[2] - young_before > thresholds[2]:
+            gc.collect()

@@ -23,6 +23,7 @@ from torch._inductor.graph import GraphLowering
 import zrs
 from lowered import as_several_ranks
 from zrs.compiler import profile
+from zrs.prepare.forward import full_collections_deferred
 from zrs.runtime import state as runtime
 
 INVOKE = torch.ops.higher_order.invoke_subgraph
@@ -153,6 +154,24 @@ def test_the_forward_defers_full_garbage_collections(prepare: str) -> None:
     assert len(probe.seen) == 2, probe.seen
     for inside in probe.seen:
         assert inside[:2] == before[:2] and inside[2] > 1_000_000, (inside, before)
+
+
+def test_the_outermost_block_restores_the_thresholds() -> None:
+    """A nested forward leaves them raised for the outer one; another thread's block that began
+    inside this one and ends after it leaves none raised for good."""
+    before = gc.get_threshold()
+    with full_collections_deferred():
+        raised = gc.get_threshold()
+        with full_collections_deferred():
+            pass
+        assert gc.get_threshold() == raised != before
+    assert gc.get_threshold() == before
+    outer, inner = full_collections_deferred(), full_collections_deferred()
+    outer.__enter__()
+    inner.__enter__()
+    outer.__exit__(None, None, None)
+    inner.__exit__(None, None, None)
+    assert gc.get_threshold() == before
 
 
 @pytest.mark.parametrize("prepare", ["compile", "shard"])

@@ -120,13 +120,15 @@ def full_collections_deferred() -> Iterator[None]:
     objects: FX nodes, fake tensors, sympy expressions. Each time the heap has grown by a
     quarter, a full collection walks all of it again; in the forward of a compile, most of the
     collector's time. The one at the end pays for the deferred ones, at a known point: left to
-    the next automatic one, it ran inside a later CUDA graph capture (`zrs.GraphedStep`'s in
-    tests/gpu/test_captured_gpu.py), and what it freed there invalidated the capture. Torch 2.11 runs only
-    a young collection after a compile (`torch._dynamo.config.run_gc_after_compile`);
-    pytorch/pytorch PR #193289 defers full collections inside dynamo in the same way. Python
-    3.14's incremental collector has no third threshold (it reads 0): nothing changes there."""
+    the next automatic one, it ran inside a later CUDA graph capture (`zrs.GraphedStep`'s, in
+    tests/gpu/test_captured_gpu.py), and what it freed there invalidated the capture. Torch
+    2.11 runs only a young collection after a compile (`run_gc_after_compile`); pytorch/pytorch
+    PR #193289 defers full collections inside dynamo in the same way. Python 3.14's incremental
+    collector has no third threshold (it reads 0): nothing changes there."""
     thresholds = gc.get_threshold()
-    if not thresholds[2]:
+    if thresholds[2] in (0, _DEFERRED_FULL_THRESHOLD):
+        # Python 3.14, or inside another block (a nested forward, or another thread's): the
+        # outermost block restores the thresholds, so that none is left raised for good.
         yield
         return
     young_before = gc.get_count()[2]  # young (generation 1) collections since the last full one

@@ -8,6 +8,13 @@ import os
 import shutil
 import tempfile
 
+# Inductor's CPU code checks each vector ISA that the CPU reports by building a test library and
+# loading it in a new Python process (`torch._inductor.cpu_vec_isa.VecISA.check_build`), in
+# every process, uncached: about 15 s of each spawned rank's first CPU compile on 2 cores, ranks
+# of every multi-process test included. The CPU's own flags already filter the list, and a
+# compiler without an ISA fails the first compile loudly. Set before torch reads it.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+
 import pytest
 import torch
 

@@ -22,10 +22,11 @@ _NOT_TORCHS = ("zrs_records", "locks")
 
 
 def torch_entries(cache: Path) -> set[str]:
-    """The keys of a cache folder's AOTAutograd and inductor entries, and inductor's generated
-    code with its bytes, the folder's own path in them written as `<cache>` (the code names its
-    kernels' files there, in comments). An entry's own bytes are left out: they hold its compile
-    time and the cache folder's path."""
+    """The keys of a cache folder's AOTAutograd and inductor entries, and the hashes of
+    inductor's generated code, the folder's own path in it written as `<cache>`. On GPUs the
+    code names its kernels' files there, in comments; a code file's own name is a hash of its
+    bytes, that path included, so it is left out. An entry's own bytes are left out: they hold
+    its compile time and the cache folder's path."""
     entries = set()
     for path in cache.rglob("*"):
         parts = path.relative_to(cache).parts
@@ -35,7 +36,7 @@ def torch_entries(cache: Path) -> set[str]:
             entries.add(f"inductor key {parts[2]}")
         elif path.suffix in (".py", ".cpp"):
             code = path.read_bytes().replace(str(cache).encode(), b"<cache>")
-            entries.add(f"code {'/'.join(parts)} {hashlib.sha256(code).hexdigest()}")
+            entries.add(f"code {hashlib.sha256(code).hexdigest()}{path.suffix}")
     return entries
 
 

@@ -3,7 +3,8 @@ CUDA graph gives bit-identical parameters, losses and norms to the same step run
 bf16 compute over fp32 masters and bf16 masters (master_dtype), SGD-momentum and AdamW, clipped,
 through a non-finite step, and a Hugging Face Llama on two sequence lengths (one graph each). What
 cannot be captured raises ZrsError. With `zrs.GraphedStep` inside, the captured step peaks no
-higher than a plain step, but for the graph's copy of the batch.
+higher than a plain step, but for the graph's copy of the batch. No garbage collection starts
+inside a capture, `zrs.GraphedStep`'s or `zrs.CapturedStep`'s.
 
 At world 2 (the suite's run on two GPUs) the captured step's collectives replay from the graph;
 every rank's parameters must equal rank 0's, and the graphs hold NCCL work when the worker's
@@ -200,6 +201,40 @@ def _peak(device: torch.device, captured: bool) -> int:
     return peak
 
 
+def _collections_in_capture(device: torch.device) -> dict[str, tuple[int, int]]:
+    """Garbage collections started inside a capture and in all, with young collections as
+    frequent as allocations make them: `zrs.GraphedStep` capturing the optimizer step alone,
+    and `zrs.CapturedStep` the whole step. One there could invalidate the capture, by what it
+    frees (zrs's forward defers full collections to its end, session 43)."""
+    import gc
+
+    import zrs
+
+    seen: list[bool] = []
+
+    def record(phase: str, info: dict) -> None:
+        if phase == "start":
+            seen.append(torch.cuda.is_current_stream_capturing())
+
+    out = {}
+    thresholds = gc.get_threshold()
+    gc.callbacks.append(record)
+    gc.set_threshold(10, 1_000_000, 1_000_000)  # young collections only, many
+    try:
+        for kind in ("graphed", "captured"):
+            *_, train_step = _setup("bias_stack", "fp32", "sgd", device)
+            step = zrs.CapturedStep(train_step) if kind == "captured" else train_step
+            one = torch.ones((), device=device)
+            seen.clear()
+            for i in range(4):  # warmup 2, capture, replay
+                step(_batch("bias_stack", 0, i, device), one)
+            out[kind] = (sum(seen), len(seen))
+    finally:
+        gc.callbacks.remove(record)
+        gc.set_threshold(*thresholds)
+    return out
+
+
 def run_all(rank: int, world: int) -> dict:
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -213,6 +248,7 @@ def run_all(rank: int, world: int) -> dict:
     out["errors"] = _cannot_capture(device) if world == 1 else None
     out["mode"] = _mode_change(device)
     out["peaks"] = {"plain": _peak(device, False), "captured": _peak(device, True)}
+    out["collections"] = _collections_in_capture(device)
     return out
 
 
@@ -269,3 +305,9 @@ def test_the_captured_step_peaks_no_higher_than_the_plain_step() -> None:
     mib = {k: round(v / 2**20, 1) for k, v in peaks.items()}
     static_input = 4096 * 2048 * 4  # the graph's copy of the batch
     assert peaks["captured"] <= peaks["plain"] + static_input + 2**24, mib
+
+
+def test_no_garbage_collection_starts_inside_a_capture() -> None:
+    collections = _rank0()["collections"]
+    for kind, (inside, everywhere) in collections.items():
+        assert inside == 0 and everywhere > 0, (kind, collections)

@@ -29,7 +29,12 @@ from zrs.runtime.exchange import first_line
 from zrs.runtime.grad_store import GradStore
 from zrs.runtime.handles import LIVE
 from zrs.runtime.state import ZeroState
-from zrs.step.replay import MAX_RECAPTURES, Hyperparameters, replay_with_hooks
+from zrs.step.replay import (
+    MAX_RECAPTURES,
+    Hyperparameters,
+    collector_paused,
+    replay_with_hooks,
+)
 from zrs.step.replay_watch import ReplayWatch, close_before_destroy, nccl_backends
 from zrs.step.signature import held, mode, signature
 
@@ -228,12 +233,16 @@ class CapturedStep:
         torch.cuda.synchronize()
         hook = register_optimizer_step_post_hook(stepped)
         try:
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            with (
+                collector_paused(),
+                torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"),
+            ):
                 out = self.step_fn(*args, **kwargs)
         except Exception as exc:
             sig.eager = True
             raise ZrsError(
-                f"{WHO}: the step could not be captured as a CUDA graph ({first_line(exc) or type(exc).__name__}). "
+                f"{WHO}: the step could not be captured as a CUDA graph "
+                f"({first_line(exc) or type(exc).__name__}). "
                 "Inside a captured step nothing may wait for the GPU or copy from pageable host "
                 "memory: no .item(), bool(tensor), print(tensor) or torch.cuda.synchronize(); "
                 "pass the batch as CUDA tensors; clip and skip non-finite steps with "

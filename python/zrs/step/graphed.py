@@ -26,7 +26,12 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 from zrs._core import ZrsError
 from zrs.runtime.grad_store import GradStore
 from zrs.runtime.handles import LIVE, local_tensor
-from zrs.step.replay import MAX_RECAPTURES, Hyperparameters, replay_with_hooks
+from zrs.step.replay import (
+    MAX_RECAPTURES,
+    Hyperparameters,
+    collector_paused,
+    replay_with_hooks,
+)
 
 _log = logging.getLogger("zrs")
 
@@ -289,6 +294,7 @@ class GraphedStep:
                 continue
             graph = torch.cuda.CUDAGraph()
             with (
+                collector_paused(),
                 torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"),
                 self._capturable(),
             ):

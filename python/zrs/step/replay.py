@@ -1,10 +1,13 @@
-"""What zrs.GraphedStep and zrs.CapturedStep share: a replay run with the optimizers' step
-hooks around it, and the hyperparameters a graph baked in, checked before each replay."""
+"""What zrs.GraphedStep and zrs.CapturedStep share: a capture with the garbage collector off, a
+replay run with the optimizers' step hooks around it, and the hyperparameters a graph baked in,
+checked before each replay."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -18,6 +21,23 @@ from zrs._core import ZrsError
 # Recaptures (gradients or optimizer state moved) after which the step stops capturing and runs
 # eagerly, with a warning: something reallocates them every step.
 MAX_RECAPTURES = 3
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """No garbage collection inside a CUDA graph capture. A collection there runs the finalizers
+    of whatever it frees inside the capture (a CUDA event or stream destroyed, a tensor with
+    stream uses recorded, whose free queries an event), and the capture is invalidated
+    (cudaErrorStreamCaptureInvalidated). Torch 2.11 no longer collects before a capture
+    (`torch.compiler.config.force_cudagraph_gc`), so a collection that the heap's growth starts
+    there is left to chance. Refcounting still frees, at once, what dies inside."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def replay_with_hooks(

@@ -18,7 +18,7 @@ from zoo import LR, MOMENTUM, STEPS, ZOO, compare_params, train_reference
 from zrs.compiler import backend as dynamo_backend
 from zrs.compiler import pipeline
 from zrs.compiler._fx import is_op
-from zrs.prepare.sharding import repeated_blocks
+from zrs.prepare.sharding import _without_aliases, repeated_blocks
 from zrs.runtime import state as runtime
 
 BACKENDS = ["eager", "inductor"]
@@ -171,3 +171,36 @@ def test_a_failure_inside_the_compile_drops_the_regions(monkeypatch, caplog) -> 
     flat, _ = _train("eager", False, monkeypatch)
     for a, b in zip(shared, flat, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "returns",
+    [
+        lambda x, bias, pair: bias,  # a tensor
+        lambda x, bias, pair: (x * 2, bias, None, 3),  # a flat tuple, as T5's layers return
+        lambda x, bias, pair: (x * 2, (bias, pair[1])),  # nested
+        lambda x, bias, pair: {"out": x * 2, "bias": pair[0]},  # a dict; an input inside a tuple
+        lambda x, bias, pair: [x * 2, bias],  # a list
+    ],
+    ids=["tensor", "flat-tuple", "nested", "dict", "list"],
+)
+def test_a_region_returns_copies_of_its_inputs_and_nothing_else_copied(returns) -> None:
+    """A compile region's outputs may not alias its inputs: `_without_aliases` copies every
+    output that is an input (top-level or inside a container), and only those."""
+    x, bias, pair = torch.randn(2, 3), torch.randn(3), (torch.randn(3), torch.randn(3))
+    made = []
+
+    def forward(self, x, bias=None, pair=()):
+        out = returns(x, bias, pair)
+        made.extend(t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+    out = _without_aliases(forward)(None, x, bias=bias, pair=pair)
+    inputs = (x, bias, *pair)
+    got = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    assert len(got) == len(made)
+    for before, after in zip(made, got, strict=True):
+        if any(before is t for t in inputs):
+            assert after is not before and torch.equal(after, before)
+        else:
+            assert after is before

@@ -12,9 +12,10 @@ annotations of the lowered ops are legal):
 * each parameter gradient (`gather_grad`, or a sum of them for a parameter used several times)
   goes to `reduce_grad`, right where it is complete, and `end_backward` flushes the buckets. The
   graph then returns None for that shard: the runtime accumulates into `shard.grad` itself;
-* a gradient that autograd upcasts back to the shard's dtype (the backward of a fused downcast)
-  goes to `reduce_grad` before the upcast: the bucket packing casts into the reduce dtype anyway,
-  so the graph skips a full-size cast kernel and the wider temporary.
+* a gradient that autograd casts to another floating dtype (back up to the shard's, the
+  backward of a fused downcast; or down to the gathered one, where the op computed it wider)
+  goes to `reduce_grad` before the cast: the bucket packing casts into the reduce dtype anyway,
+  so the graph skips a full-size cast kernel, and no gradient is rounded twice.
 """
 
 from __future__ import annotations
@@ -117,19 +118,22 @@ def _grad_leaves(node: fx.Node) -> list[fx.Node]:
     return [node]
 
 
-def _before_upcast(node: fx.Node) -> fx.Node:
-    """The input of `node` if `node` only widens a floating-point gradient, else `node`.
+def _before_cast(node: fx.Node) -> fx.Node:
+    """The input of `node` if `node` only casts a floating-point gradient to another floating
+    dtype, else `node`. The packing kernel computes in float32 (float64 for a float64 side)
+    before its one cast into the bucket, so:
 
-    Exact either way: the widening cast is lossless and the packing kernel computes in float32
-    (float64 for a float64 side) before its one cast into the bucket."""
+    * a widening cast (the backward of a gather cast down after it) is lossless: skipping it
+      only saves a full-size kernel and the wider temporary;
+    * a narrowing one (a norm's weight, gathered in bf16 but used in float32 inside the op: its
+      gradient is computed in float32 and rounded to the gathered dtype) would round the
+      gradient before the bucket's own cast: the float32 one is reduced instead, as precise as
+      the float32 master it updates."""
     dtype = cast_dtype(node)
     src = node.args[0] if node.args else None
     if dtype is None or not isinstance(src, fx.Node) or val(src) is None:
         return node
-    narrow = val(src).dtype
-    if not (narrow.is_floating_point and dtype.is_floating_point):
-        return node
-    return src if narrow.itemsize < dtype.itemsize else node
+    return src if val(src).dtype.is_floating_point and dtype.is_floating_point else node
 
 
 def _lower_grads(graph: fx.Graph, graph_id: int) -> None:
@@ -150,7 +154,7 @@ def _lower_grads(graph: fx.Graph, graph_id: int) -> None:
             )
         fulls = sorted(leaf.args[0] for leaf in reduced)
         if len(fulls) == 1:  # a sum of several terms stays in the wide dtype
-            fulls = [_before_upcast(fulls[0])]
+            fulls = [_before_cast(fulls[0])]
         with graph.inserting_before(fulls[-1].next):  # keeps the inserted nodes in order
             total = fulls[0]
             for f in fulls[1:]:

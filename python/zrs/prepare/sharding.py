@@ -40,19 +40,13 @@ Subclasses = dict[tuple[type, frozenset[str], bool], type]
 
 
 def _read(module: nn.Module, name: str) -> torch.Tensor:
-    """A sharded parameter's full value: the eager path's leaf inside a zrs.shard forward, else
-    the gather op (traced by zrs.compile, or run eagerly)."""
+    """A sharded parameter's full value, read eagerly: the eager path's leaf inside a zrs.shard
+    forward, else the gather op run at once."""
     ds_id, shape, dtype = module._zrs_params[name]
-    if not torch.compiler.is_compiling():
-        fetcher = module._zrs_fetcher
-        if fetcher.depth:  # inside a forward: the eager path's leaf (runtime/fetch.py)
-            return fetcher.param(ds_id)
-    # Traced, the id stays out of the graph (the backend resolves it from the shard), so the
-    # layers of a repeated block trace to one shared body (compiler/regions.py).
-    traced_id = UNRESOLVED if torch.compiler.is_compiling() else ds_id
-    full = torch.ops.zrs.gather(module._zrs_shards[name], traced_id, shape)
-    # A cast right after the gather is fused into it by the zero3 pass (gather in bf16).
-    return full if dtype is None else full.to(dtype)
+    fetcher = module._zrs_fetcher
+    if fetcher.depth:  # inside a forward: the eager path's leaf (runtime/fetch.py)
+        return fetcher.param(ds_id)
+    return torch.ops.zrs.gather(module._zrs_shards[name], ds_id, shape, dtype)
 
 
 # A zrs.shard parameter that a user's torch.compile reaches outside any unit's compiled forward:
@@ -62,16 +56,26 @@ _read_eagerly = torch.compiler.disable(_read)
 
 
 def _gathered(name: str) -> property:
+    # Dynamo traces this at every read of every layer's call (a region's body is traced per
+    # call, then matched): the traced path is kept short, with no call to inline.
     def get(self: nn.Module) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            return _read(self, name)
         leaves = self._zrs_leaves
-        if leaves is not None and torch.compiler.is_compiling():
-            # zrs.shard: a unit's forward compiled on its own (units.py) reads the eager path's
-            # leaf, which the unit's hook gathered, as a graph input; read first, so that no
-            # layer's own ds_id enters the guards and one compile serves every layer.
-            if name in leaves:
-                return leaves[name]
-            return _read_eagerly(self, name)
-        return _read(self, name)
+        if leaves is None:
+            # zrs.compile: the gather op, traced. The id stays out of the graph (the backend
+            # resolves it from the shard), so the layers of a repeated block trace to one
+            # shared body (compiler/regions.py). It gathers in the compute dtype (bf16 under
+            # param_dtype) rather than casting after: a cast made two more nodes per read (the
+            # cast and its backward) for AOTAutograd, zrs's passes and inductor.
+            _, shape, dtype = self._zrs_params[name]
+            return torch.ops.zrs.gather(self._zrs_shards[name], UNRESOLVED, shape, dtype)
+        # zrs.shard: a unit's forward compiled on its own (units.py) reads the eager path's
+        # leaf, which the unit's hook gathered, as a graph input; read first, so that no
+        # layer's own ds_id enters the guards and one compile serves every layer.
+        if name in leaves:
+            return leaves[name]
+        return _read_eagerly(self, name)
 
     return property(get, doc=f"`{name}` gathered from its shards (zrs)")
 
@@ -153,18 +157,40 @@ def _install_properties(
 
 def _without_aliases(forward: Callable[..., Any]) -> Callable[..., Any]:
     """`forward`, returning a copy of any input it returns as is (T5's layers pass their position
-    bias on): a compile region's outputs may not alias its inputs."""
+    bias on): a compile region's outputs may not alias its inputs.
+
+    Dynamo traces this at every layer's call, and pytree's flattening, traced, was a third of the
+    instructions it traced for a small decoder: arguments (and tuples among them) of tensors and
+    constants, and an output that is a tensor or a tuple of them, are checked without it."""
 
     @functools.wraps(forward)
     def run(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        flat = []
+        for a in (*args, *kwargs.values()):
+            if type(a) is tuple:  # Llama's (cos, sin)
+                flat.extend(a)
+            else:
+                flat.append(a)
+        if not all(_leaf(a) for a in flat):
+            flat = tree_leaves((args, kwargs))
+        inputs = [t for t in flat if isinstance(t, torch.Tensor)]
 
         def fresh(t: Any) -> Any:
             return t.clone() if any(t is x for x in inputs) else t
 
-        return tree_map_only(torch.Tensor, fresh, forward(self, *args, **kwargs))
+        out = forward(self, *args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            return fresh(out)
+        if type(out) is tuple and all(_leaf(o) for o in out):
+            return tuple(fresh(o) if isinstance(o, torch.Tensor) else o for o in out)
+        return tree_map_only(torch.Tensor, fresh, out)
 
     return run
+
+
+def _leaf(x: Any) -> bool:
+    """A value pytree does not look into (the common ones)."""
+    return x is None or isinstance(x, (torch.Tensor, bool, int, float, str))
 
 
 def drop_regions(model: nn.Module) -> bool:

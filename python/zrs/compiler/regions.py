@@ -39,7 +39,8 @@ def is_gather(n: fx.Node) -> bool:
 
 
 def _cast_of(n: fx.Node) -> torch.dtype | None:
-    """The dtype of `n.to(dtype)`, the cast the gather property applies; None otherwise."""
+    """The dtype of `n.to(dtype)`, a cast of a gathered parameter in the block's own code (the
+    gather property gathers in the compute dtype itself); None otherwise."""
     if n.op == "call_method" and n.target == "to" and len(n.args) == 2 and not n.kwargs:
         dtype = n.args[1]
         return dtype if isinstance(dtype, torch.dtype) else None

@@ -14,6 +14,13 @@ pub struct Candidate {
     pub label: String,
 }
 
+impl Candidate {
+    /// The all-gathers its buckets spare: a bucket of n members is one collective, not n.
+    pub fn collectives_saved(&self) -> usize {
+        self.groups.iter().map(|g| g.len().saturating_sub(1)).sum()
+    }
+}
+
 pub(super) fn better(a: &SimResult, b: &SimResult) -> bool {
     // Makespans within a nanosecond count as equal; then the lower peak wins.
     if (a.makespan_us - b.makespan_us).abs() > 1e-3 {

@@ -119,3 +119,35 @@ fn the_ir_dtype_round_trips() {
     let back = Graph::new(GraphSpec::from_json(&spec.to_json()).unwrap()).unwrap();
     assert_eq!(back.nodes, g.nodes);
 }
+
+fn candidate(makespan_us: f64, peak_bytes: u64, groups: Vec<Vec<u32>>) -> super::Candidate {
+    super::Candidate {
+        order: Vec::new(),
+        groups,
+        sim: crate::plan::sim::SimResult {
+            makespan_us,
+            peak_bytes,
+            ..Default::default()
+        },
+        label: String::new(),
+    }
+}
+
+#[test]
+fn equal_plans_up_to_a_sliver_of_peak_pick_the_fewest_collectives() {
+    // Makespans equal, the bucketed plan 4 KiB above the unbucketed one's peak (the HF Llama
+    // shape's backward): the buckets win. Far more memory, or a slower plan, never does.
+    let gib = 1u64 << 30;
+    let unbucketed = candidate(100.0, 14 * gib, vec![]);
+    let bucketed = candidate(100.0, 14 * gib + 4096, vec![vec![1, 2, 3], vec![4, 5]]);
+    let costly = candidate(100.0, 15 * gib, vec![vec![1, 2, 3, 4, 5, 6]]);
+    let slower = candidate(200.0, 14 * gib, vec![vec![1, 2, 3, 4, 5, 6, 7]]);
+    let pool = [unbucketed.clone(), bucketed.clone(), costly, slower];
+    let pick = super::pick_among_fast(&pool).unwrap();
+    assert_eq!(pick.groups, bucketed.groups);
+    assert_eq!(pick.collectives_saved(), 3);
+    // Past the tolerance the least peak wins again.
+    let heavier = candidate(100.0, 14 * gib + gib / 10, vec![vec![1, 2, 3]]);
+    let pick = super::pick_among_fast(&[unbucketed.clone(), heavier]).unwrap();
+    assert!(pick.groups.is_empty());
+}

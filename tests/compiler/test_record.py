@@ -96,10 +96,13 @@ def test_each_change_misses(change: dict, two_h100s: None) -> None:
     assert _key(**change) != _key(**base)
 
 
-@pytest.mark.parametrize("version", ["zrs", "torch"])
+@pytest.mark.parametrize("version", ["zrs", "torch", "core"])
 def test_another_version_misses(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
     before = _key()
-    monkeypatch.setattr(zrs if version == "zrs" else torch, "__version__", "0.0.0+other")
+    if version == "core":  # another build of the planner under the same zrs version
+        monkeypatch.setattr(record, "core_build", lambda: "another build")
+    else:
+        monkeypatch.setattr(zrs if version == "zrs" else torch, "__version__", "0.0.0+other")
     assert _key() != before
 
 

@@ -35,7 +35,7 @@ from zrs.compiler import pipeline
 from zrs.compiler.plan import PlanContext, graph_label
 from zrs.compiler.profile import symints
 from zrs.compiler.recompute import reroute_aliased_outputs, tag_gathers_for_recompute
-from zrs.compiler.record import Record, agree, record_key
+from zrs.compiler.record import Record, agree, core_build, record_key
 from zrs.compiler.regions import inline_regions, lift_region_gathers, resolve_gathers
 from zrs.compiler.torch_fixes import (
     RECORDED_OUTPUTS,
@@ -107,7 +107,7 @@ class ZeroLowering(CustomGraphPass):
         # must be in the cache key.
         graph_id, is_backward, keep, _, ctx, _ = _CURRENT.get()
         source = _source_hash(*pipeline.LOWERING_SOURCES)
-        return f"{source}:{graph_id}:{int(is_backward)}:{int(keep)}:{ctx.key()}"
+        return f"{source}:{core_build()}:{graph_id}:{int(is_backward)}:{int(keep)}:{ctx.key()}"
 
 
 LOWERING = ZeroLowering()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -31,6 +32,7 @@ import torch
 from torch import fx
 
 import zrs
+from zrs import _core
 from zrs._core import ZrsError
 from zrs.compiler.consistency import signature
 from zrs.runtime.exchange import all_gather_bytes
@@ -44,6 +46,13 @@ ARTIFACTS_FORMAT = 1
 _USED: set[str] = set()
 
 
+@functools.cache
+def core_build() -> str:
+    """A digest of the compiled core (`zrs._core`), which holds the planner: a build with another
+    planner plans other code, with zrs's version unchanged (a development build, a patched one)."""
+    return hashlib.sha256(Path(_core.__file__).read_bytes()).hexdigest()[:16]
+
+
 def _example(n: fx.Node) -> str:
     value = n.meta.get("example_value")
     if isinstance(value, torch.Tensor):
@@ -54,13 +63,13 @@ def _example(n: fx.Node) -> str:
 def record_key(state: ZeroState, graph: fx.Graph, backend: str) -> str:
     """What the compiled code depends on besides the caches' own keys: the graph with its inputs'
     kinds, the backend (the record's timings are its code's) and zrs's options, the world, the
-    device (its model, not its index: every rank looks up one key) and the versions. The
-    replicas and the offload mode change the plan (the all-reduce's and the host copies' costs
-    and memory), not the lowered ops."""
+    device (its model, not its index: every rank looks up one key) and the versions, the core's
+    build among them. The replicas and the offload mode change the plan (the all-reduce's and
+    the host copies' costs and memory), not the lowered ops."""
     offload = state.offload and ("params" if state.offload.params else "optimizer")
     parts = [
         f"format {FORMAT}",
-        f"zrs {zrs.__version__} torch {torch.__version__}",
+        f"zrs {zrs.__version__} core {core_build()} torch {torch.__version__}",
         f"world {state.world_size} replicas {state.replicas} offload {offload}",
         f"device {state.device.type} backend {backend}",
         f"scheduler {state.scheduler} budget {state.memory_budget} profile {state.profile}",

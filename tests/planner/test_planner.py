@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -13,6 +14,14 @@ from zrs import _core
 from zrs import planner as zplan
 
 KEYS = ("makespan_ms", "peak_bytes", "exposed_comm_ms")
+DATA = Path(__file__).parent / "data"
+# The NCCL model the sweep fitted on 2xH200 over NVLink (session 45's HF Llama run).
+FITTED_2XH200 = {
+    "name": "fitted",
+    "world": 2,
+    "allgather": {"latency_us": 89.6, "bus_gbps": 311.8},
+    "reduce_scatter": {"latency_us": 91.5, "bus_gbps": 321.8},
+}
 
 
 def _run(*args: str) -> dict:
@@ -98,3 +107,19 @@ def test_plain_png_writer(tmp_path: Path) -> None:
     zplan.plot._plot_plain([("a", [0.0, 1.0, 2.0], [0.0, 5.0, 1.0])], 6, path)
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and b"IEND" in data
+
+
+def test_a_real_backward_buckets_its_gathers() -> None:
+    """The HF Llama 1.1B shape's backward graph as its FX pass dumped it (one H200, session 45),
+    planned for two ranks as the compiled path plans it: its 200 gathers go out in buckets, one a
+    layer, at the least peak up to the planner's tolerance. They had gone out one by one, because
+    a bucketed plan was 4 KiB above it."""
+    g = json.loads(gzip.decompress((DATA / "hf_llama_1b_bw.ir.json.gz").read_bytes()))
+    g["world"] = 2
+    cost = _core.planning_cost(json.dumps(FITTED_2XH200), "cuda", 2)
+    p = zplan.plan(g, "search", cost=cost)
+    gathers = sum(n["kind"] == "allgather" for n in g["nodes"])
+    collectives = gathers - sum(len(grp) - 1 for grp in p["groups"])
+    assert gathers == 200 and collectives <= 25, p["groups"]
+    unbucketed = min(zplan.plan(g, s, cost=cost)["peak_bytes"] for s in ("greedy", "search"))
+    assert p["peak_bytes"] <= unbucketed * 1.001

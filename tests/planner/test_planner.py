@@ -112,7 +112,7 @@ def test_plain_png_writer(tmp_path: Path) -> None:
 def test_a_real_backward_buckets_its_gathers() -> None:
     """The HF Llama 1.1B shape's backward graph as its FX pass dumped it (one H200, session 45),
     planned for two ranks as the compiled path plans it: its 200 gathers go out in buckets, one a
-    layer, at the least peak up to the planner's tolerance. They had gone out one by one, because
+    layer, at the unbucketed plan's peak up to the planner's tolerance. They had gone out one by one, because
     a bucketed plan was 4 KiB above it."""
     g = json.loads(gzip.decompress((DATA / "hf_llama_1b_bw.ir.json.gz").read_bytes()))
     g["world"] = 2
@@ -121,5 +121,5 @@ def test_a_real_backward_buckets_its_gathers() -> None:
     gathers = sum(n["kind"] == "allgather" for n in g["nodes"])
     collectives = gathers - sum(len(grp) - 1 for grp in p["groups"])
     assert gathers == 200 and collectives <= 25, p["groups"]
-    unbucketed = min(zplan.plan(g, s, cost=cost)["peak_bytes"] for s in ("greedy", "search"))
-    assert p["peak_bytes"] <= unbucketed * 1.001
+    unbucketed = zplan.plan(g, "greedy", cost=cost)  # every gather just in time, alone
+    assert p["peak_bytes"] <= unbucketed["peak_bytes"] * 1.001

@@ -34,6 +34,7 @@ from zrs.step.replay import (
     Hyperparameters,
     collector_paused,
     replay_with_hooks,
+    settle_before_capture,
 )
 from zrs.step.replay_watch import ReplayWatch, close_before_destroy, nccl_backends
 from zrs.step.signature import held, mode, signature
@@ -230,7 +231,7 @@ class CapturedStep:
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        torch.cuda.synchronize()
+        settle_before_capture()
         hook = register_optimizer_step_post_hook(stepped)
         try:
             with (

@@ -31,6 +31,7 @@ from zrs.step.replay import (
     Hyperparameters,
     collector_paused,
     replay_with_hooks,
+    settle_before_capture,
 )
 
 _log = logging.getLogger("zrs")
@@ -287,7 +288,7 @@ class GraphedStep:
             _log.info("zrs.GraphedStep: capturing again (gradients or optimizer state moved)")
         replays: list[Callable[[], None]] = []
         pool = None
-        torch.cuda.synchronize()
+        settle_before_capture()
         for capturable, part in self._parts():
             if not capturable:
                 replays.append(part)

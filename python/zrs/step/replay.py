@@ -1,6 +1,6 @@
-"""What zrs.GraphedStep and zrs.CapturedStep share: a capture with the garbage collector off, a
-replay run with the optimizers' step hooks around it, and the hyperparameters a graph baked in,
-checked before each replay."""
+"""What zrs.GraphedStep and zrs.CapturedStep share: the copy kernels loaded and the GPU idle before
+a capture, a capture with the garbage collector off, a replay run with the optimizers' step hooks
+around it, and the hyperparameters a graph baked in, checked before each replay."""
 
 from __future__ import annotations
 
@@ -17,10 +17,20 @@ from torch.optim.optimizer import (
 )
 
 from zrs._core import ZrsError
+from zrs.runtime import kernels
 
 # Recaptures (gradients or optimizer state moved) after which the step stops capturing and runs
 # eagerly, with a warning: something reallocates them every step.
 MAX_RECAPTURES = 3
+
+
+def settle_before_capture() -> None:
+    """Before a capture: the copy kernels' background build joined, then the GPU idle. A graph
+    replays whichever implementation of an op ran while it was captured, so a capture made while
+    the build still ran would replay the torch copies for good (at 1b on two H200s, session 46:
+    about 960 copy launches and 18.6 ms a step against 106 launches and 4.4 ms)."""
+    kernels.wait()
+    torch.cuda.synchronize()
 
 
 @contextlib.contextmanager

@@ -14,7 +14,8 @@ type Move = (Vec<u32>, Vec<Vec<u32>>, &'static str);
 /// Local search over bucket boundaries: for the buckets (and lone gathers) whose waits stall the
 /// compute stream the most, try splitting the bucket in two, and pulling the next all-gather of
 /// the comm stream forward into it (an earlier prefetch of that gather, fused). Each move is
-/// scored by the simulator and kept if it is faster within the budget.
+/// scored by the simulator and kept if it is faster within the budget, counting the host time
+/// of the collectives it adds or spares (`better`).
 pub(super) fn refine_buckets(
     p: &Problem,
     best: &mut Candidate,
@@ -125,7 +126,13 @@ pub(super) fn refine_buckets(
                     continue;
                 }
                 let cand = score(p, order, groups, format!("{} +{what}", best.label))?;
-                if better(&cand.sim, &best.sim) && cand.sim.peak_bytes <= budget {
+                // A move no faster on the device (it spares a collective's host time) must
+                // not raise the peak.
+                let faster = cand.sim.makespan_us < best.sim.makespan_us - 1e-3;
+                if better(&cand, best)
+                    && cand.sim.peak_bytes <= budget
+                    && (faster || cand.sim.peak_bytes <= best.sim.peak_bytes)
+                {
                     *best = cand;
                     improved = true;
                     break;

@@ -138,16 +138,41 @@ fn equal_plans_up_to_a_sliver_of_peak_pick_the_fewest_collectives() {
     // Makespans equal, the bucketed plan 4 KiB above the unbucketed one's peak (the HF Llama
     // shape's backward): the buckets win. Far more memory, or a slower plan, never does.
     let gib = 1u64 << 30;
-    let unbucketed = candidate(100.0, 14 * gib, vec![]);
-    let bucketed = candidate(100.0, 14 * gib + 4096, vec![vec![1, 2, 3], vec![4, 5]]);
-    let costly = candidate(100.0, 15 * gib, vec![vec![1, 2, 3, 4, 5, 6]]);
-    let slower = candidate(200.0, 14 * gib, vec![vec![1, 2, 3, 4, 5, 6, 7]]);
+    let unbucketed = candidate(100_000.0, 14 * gib, vec![]);
+    let bucketed = candidate(100_000.0, 14 * gib + 4096, vec![vec![1, 2, 3], vec![4, 5]]);
+    let costly = candidate(100_000.0, 15 * gib, vec![vec![1, 2, 3, 4, 5, 6]]);
+    let slower = candidate(200_000.0, 14 * gib, vec![vec![1, 2, 3, 4, 5, 6, 7]]);
     let pool = [unbucketed.clone(), bucketed.clone(), costly, slower];
     let pick = super::pick_among_fast(&pool).unwrap();
     assert_eq!(pick.groups, bucketed.groups);
     assert_eq!(pick.collectives_saved(), 3);
     // Past the tolerance the least peak wins again.
-    let heavier = candidate(100.0, 14 * gib + gib / 10, vec![vec![1, 2, 3]]);
+    let heavier = candidate(100_000.0, 14 * gib + gib / 10, vec![vec![1, 2, 3]]);
     let pick = super::pick_among_fast(&[unbucketed.clone(), heavier]).unwrap();
     assert!(pick.groups.is_empty());
+}
+
+#[test]
+fn a_plan_slower_by_less_than_the_host_time_its_buckets_spare_wins() {
+    // The HF Llama shape's forward: a plan of 24 collectives 0.26 % slower on paper than one of
+    // 106. Charged the host time of each collective, the fewer win; slower by more, they lose.
+    let gib = 1u64 << 30;
+    let host = super::HOST_US_PER_COLLECTIVE;
+    let many = candidate(100_000.0, 14 * gib, vec![vec![1, 2]]);
+    let few = |makespan_us| candidate(makespan_us, 14 * gib, vec![vec![1, 2, 3, 4, 5, 6]]);
+    // 4 collectives fewer, 4 host calls slower: as cheap, and fewer.
+    let pick = super::pick_among_fast(&[many.clone(), few(100_000.0 + 4.0 * host)]).unwrap();
+    assert_eq!(pick.collectives_saved(), 5);
+    // Slower by that and twice the tolerance besides: the many win.
+    let far = 100_000.0 + 4.0 * host + 2.0 * 100_000.0 * super::MAKESPAN_TOLERANCE;
+    let pick = super::pick_among_fast(&[many.clone(), few(far)]).unwrap();
+    assert_eq!(pick.collectives_saved(), 1);
+    // The memory rule still holds among the cheap: far more peak loses.
+    let heavy = candidate(100_000.0, 15 * gib, vec![vec![1, 2, 3, 4, 5, 6]]);
+    assert!(
+        super::better(&heavy, &many),
+        "cheaper once charged for its collectives"
+    );
+    let pick = super::pick_among_fast(&[many, heavy]).unwrap();
+    assert_eq!(pick.collectives_saved(), 1);
 }

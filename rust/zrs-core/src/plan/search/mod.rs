@@ -51,8 +51,8 @@ use candidate::{better, score};
 use list_schedule::construct;
 use refine::refine_buckets;
 
-/// Variants within this fraction of the fastest makespan of the least charged time (makespan
-/// and the host time of their collectives) compete on peak memory instead.
+/// Variants whose charged time (the makespan and the host time of their collectives) is within
+/// this fraction of the fastest makespan of the least one compete on peak memory instead.
 pub const MAKESPAN_TOLERANCE: f64 = 1e-3;
 
 /// Of those, variants within this fraction of the least peak compete on the collectives they

@@ -28,7 +28,8 @@ def settle_before_capture() -> None:
     """Before a capture: the copy kernels' background build joined, then the GPU idle. A graph
     replays whichever implementation of an op ran while it was captured, so a capture made while
     the build still ran would replay the torch copies for good (at 1b on two H200s, session 46:
-    about 960 copy launches and 18.6 ms a step against 106 launches and 4.4 ms)."""
+    about 960 launches of torch's copy, scale, fill and other small kernels, 18.6 ms a step, where
+    the uncaptured step ran 106 copy kernels in 4.4 ms and 108 others in 2.1 ms)."""
     kernels.wait()
     torch.cuda.synchronize()
 

@@ -1,7 +1,8 @@
 """zrs.step.replay: no garbage collection starts inside a CUDA graph capture
 (tests/gpu/test_captured_gpu.py counts them in real captures), and the collector comes back as it
 was, through an exception too; a capture starts only after the copy kernels' background build,
-whose torch fallback it would otherwise replay for good."""
+whose torch fallback it would otherwise replay for good, and both captures (zrs.CapturedStep's
+and zrs.GraphedStep's) join that build before they record anything."""
 
 from __future__ import annotations
 
@@ -54,3 +55,48 @@ def test_a_capture_waits_for_the_copy_kernels_build(monkeypatch) -> None:
     settle_before_capture()
     assert order == ["built", "synchronized"]
     assert kernels.status()[0] == "loaded"
+
+
+class _Settled(Exception):
+    """Raised by the stand-in for settle_before_capture: the capture reached it."""
+
+
+def _stop_at_settle(monkeypatch, module, order: list[str]) -> None:
+    def settle() -> None:
+        order.append("settled")
+        raise _Settled
+
+    monkeypatch.setattr(module, "settle_before_capture", settle)
+
+
+def test_the_captured_step_settles_before_it_records(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from zrs.step import captured
+
+    order: list[str] = []
+    _stop_at_settle(monkeypatch, captured, order)
+    monkeypatch.setattr(captured.LIVE, "models", lambda: [])
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: order.append("graph") or object())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(
+        captured, "register_optimizer_step_post_hook", lambda hook: order.append("hooked")
+    )
+    step = SimpleNamespace(pool=None)
+    sig = SimpleNamespace(captures=0)
+    with pytest.raises(_Settled):
+        captured.CapturedStep._capture(step, sig, [], captured.tree_flatten(((), {}))[1])
+    assert order == ["graph", "settled"]  # nothing hooked or recorded before the build joined
+
+
+def test_the_graphed_step_settles_before_it_records(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from zrs.step import graphed
+
+    order: list[str] = []
+    _stop_at_settle(monkeypatch, graphed, order)
+    step = SimpleNamespace(graph=None, _parts=lambda: order.append("parts") or [])
+    with pytest.raises(_Settled):
+        graphed.GraphedStep._capture(step)
+    assert order == ["settled"]

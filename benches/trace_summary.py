@@ -15,6 +15,11 @@ number of steps in it):
 * ``kernel_groups_ms``: summed kernel time per kind (matmul, attention, Triton, zrs's copy kernel,
   all-gather, reduce-scatter, ...), to compare two systems' compute kernel by kind;
   ``kernel_groups_count`` the number of launches per kind;
+* ``slowed_beside_comm``: what NCCL kernels running beside them cost the matmul and attention
+  kernels: per kernel name, the median launch with NCCL beside it for less than half its time
+  is that kernel's speed alone, and each launch with NCCL beside it for more than half counts
+  what it took beyond that (``ms``, over ``launches``). NCCL kernels take SMs from the
+  kernels beside them, and spin there until the peer arrives;
 * ``main_stream_kernels`` and ``main_stream_gap_sizes``: GPU events on the main stream, and its
   gaps by size (count and milliseconds per step): under a CUDA graph the host no longer opens
   gaps, and what is left is one short gap per kernel boundary.
@@ -29,9 +34,11 @@ The numbers are per step. ``step.py --trace`` puts this summary into its JSON re
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import itertools
 import json
+import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -96,6 +103,39 @@ def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> fl
     return total
 
 
+def _overlap(span: tuple[float, float], sorted_union: list[tuple[float, float]]) -> float:
+    """How long `span` overlaps a sorted, disjoint interval list."""
+    lo, hi = span
+    i = bisect.bisect_left(sorted_union, (lo, lo))
+    total = 0.0
+    for s, e in sorted_union[max(i - 1, 0) :]:
+        if s >= hi:
+            break
+        total += max(0.0, min(hi, e) - max(lo, s))
+    return total
+
+
+def slowed_beside_comm(
+    kernels: list[dict[str, Any]], comm_u: list[tuple[float, float]]
+) -> tuple[int, float]:
+    """(launches, microseconds) that matmul and attention kernels lost to NCCL beside them."""
+    alone: dict[str, list[float]] = defaultdict(list)
+    beside: dict[str, list[float]] = defaultdict(list)
+    for e in kernels:
+        if kernel_group(e["name"]) not in ("matmul", "attention"):
+            continue
+        dur = float(e["dur"])
+        shared = _overlap((float(e["ts"]), float(e["ts"]) + dur), comm_u)
+        (beside if shared > dur / 2 else alone)[e["name"]].append(dur)
+    launches, lost = 0, 0.0
+    for name, durs in beside.items():
+        if alone[name]:
+            median = statistics.median(alone[name])
+            launches += len(durs)
+            lost += sum(d - median for d in durs)
+    return launches, lost
+
+
 def load(path: Path) -> list[dict[str, Any]]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as fh:
@@ -146,6 +186,7 @@ def summarize(events: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     for e in kernels:
         groups[kernel_group(e["name"])] += float(e["dur"])
         counts[kernel_group(e["name"])] += 1
+    slowed = slowed_beside_comm(kernels, comm_u)
     return {
         "window_ms": round((end - start) / per, 3),
         "compute_ms": round(_length(compute_u) / per, 3),
@@ -160,6 +201,10 @@ def summarize(events: list[dict[str, Any]], steps: int) -> dict[str, Any]:
             for name, (n, t) in sizes.items()
         },
         "streams_busy_ms": streams,
+        "slowed_beside_comm": {
+            "launches": round(slowed[0] / max(steps, 1), 1),
+            "ms": round(slowed[1] / per, 3),
+        },
         "kernel_groups_ms": {
             g: round(t / per, 3) for g, t in sorted(groups.items(), key=lambda kv: -kv[1])
         },

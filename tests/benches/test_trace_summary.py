@@ -51,6 +51,22 @@ def test_exposed_communication_and_kernel_groups():
     assert out["main_stream_gap_sizes"]["le_2us"] == {"count": 0, "ms": 0.0}
 
 
+def test_a_matmul_beside_nccl_counts_what_it_took_beyond_its_speed_alone():
+    # One kernel mostly beside an all-gather once (150 us, 100 of them shared) and alone, or
+    # barely beside it (30 of 130 us shared), three times: 100, 120 and 130 us, median 120, so
+    # 30 us lost. A Triton kernel beside NCCL and a matmul never seen alone do not count.
+    events = [
+        _kernel("nvjet_a", 0, 100, 7),
+        _kernel("nvjet_a", 200, 120, 7),
+        _kernel("nvjet_a", 400, 150, 7),
+        _kernel("ncclDevKernel_AllGather_RING_LL(x)", 450, 100, 19),
+        _kernel("triton_poi_fused_add_0", 460, 50, 7),
+        _kernel("nvjet_b", 500, 60, 8),
+        _kernel("nvjet_a", 520, 130, 7),
+    ]
+    assert summarize(events, steps=1)["slowed_beside_comm"] == {"launches": 1, "ms": 0.03}
+
+
 def test_kernel_names_fall_into_their_groups():
     assert kernel_group("void (anonymous namespace)::seg_copy_kernel<float>(x)") == "zrs_copy"
     assert kernel_group("cudnn_generated_fort_native_sdpa_sm90_flash_bprop") == "attention"

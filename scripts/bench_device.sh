@@ -25,12 +25,14 @@
 # "nop2p" runs with NCCL_P2P_DISABLE=1, e.g. "nop2p_bf16rs" for a variant), BENCH_ARGS (extra
 # arguments for step.py, e.g. "--warmup 10 --steps 20" or "--varlen"), BENCH_LOG_DIR (default
 # /tmp/bench_logs), BENCH_WARM=1 (keep the caches of an earlier call on this machine: no cold run).
+# An NCCL setting for every run goes before the command, with a tag that names it, e.g.
+# NCCL_MAX_CTAS=8 BENCH_TAGS=ctas8 ...; the records' "env" shows it (benches/harness/run.py).
 # On the device tool's machine ($OUT set to a folder), OUTFILE and a tarball of the logs are
 # copied into $OUT at the end, so that they come back.
 set -uo pipefail
 
 if [[ $# -lt 3 ]]; then
-    sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 PRESET=$1 NPROC=$2 RESULTS=$3

@@ -191,20 +191,17 @@ def main() -> None:
         return
     for layers in map(int, args.layers.split(",")):
         for mode in args.modes.split(","):
-            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="region_cost_")}
-            out = (
-                subprocess.run(
+            with tempfile.TemporaryDirectory(prefix="region_cost_") as cache:
+                done = subprocess.run(
                     [sys.executable, __file__, "--one", mode, str(layers)]
                     + (["--torch-only"] if args.torch_only else []),
-                    env=env,
+                    env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache},
                     capture_output=True,
                     text=True,
                     check=True,
                     timeout=1800,
                 )
-                .stdout.strip()
-                .splitlines()[-1]
-            )
+            out = done.stdout.strip().splitlines()[-1]
             record = {**json.loads(out), "command": " ".join(sys.argv)}
             print(json.dumps(record), flush=True)
             if args.out:

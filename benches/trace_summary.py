@@ -34,7 +34,6 @@ The numbers are per step. ``step.py --trace`` puts this summary into its JSON re
 from __future__ import annotations
 
 import argparse
-import bisect
 import gzip
 import itertools
 import json
@@ -103,18 +102,6 @@ def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> fl
     return total
 
 
-def _overlap(span: tuple[float, float], sorted_union: list[tuple[float, float]]) -> float:
-    """How long `span` overlaps a sorted, disjoint interval list."""
-    lo, hi = span
-    i = bisect.bisect_left(sorted_union, (lo, lo))
-    total = 0.0
-    for s, e in sorted_union[max(i - 1, 0) :]:
-        if s >= hi:
-            break
-        total += max(0.0, min(hi, e) - max(lo, s))
-    return total
-
-
 def slowed_beside_comm(
     kernels: list[dict[str, Any]], comm_u: list[tuple[float, float]]
 ) -> tuple[int, float]:
@@ -125,7 +112,7 @@ def slowed_beside_comm(
         if kernel_group(e["name"]) not in ("matmul", "attention"):
             continue
         dur = float(e["dur"])
-        shared = _overlap((float(e["ts"]), float(e["ts"]) + dur), comm_u)
+        shared = _intersect([(float(e["ts"]), float(e["ts"]) + dur)], comm_u)
         (beside if shared > dur / 2 else alone)[e["name"]].append(dur)
     launches, lost = 0, 0.0
     for name, durs in beside.items():

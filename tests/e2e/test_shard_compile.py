@@ -15,10 +15,17 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
+from torch import nn
+from torch._dynamo.backends.debugging import aot_eager
+from torch._dynamo.utils import counters
 
+import zrs
 from _dist import cached_run, reemit_warnings
 from checks import compiled_problems, fp32_problems
+from hf_zoo import HF_ZOO
 from zoo import Case, Reference, case_outcome, run_cases, spec_of, train_reference
+from zrs.runtime import state as runtime
 
 pytestmark = pytest.mark.slow
 
@@ -78,3 +85,63 @@ def test_compiled_layers_match_reference(world: int, backend: str, model: str) -
     assert not problems, "\n".join(problems)
     for rank, r in enumerate(per_rank):
         reemit_warnings(r["warnings"], where=f"rank {rank}, {model}")
+
+
+# A backend that keeps the graphs dynamo hands it, for the test below to read.
+_RECORDED: list[torch.fx.GraphModule] = []
+
+
+@torch._dynamo.register_backend(name="zrs_tests_record")
+def _record(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+    _RECORDED.append(gm)
+    return aot_eager(gm, example_inputs)
+
+
+def _train(model: nn.Module, spec, steps: int = 2) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(steps):
+        loss = spec.loss(model, spec.batch(0, step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_the_head_and_the_loss_compile_as_one_graph_around_the_stack() -> None:
+    """A Hugging Face causal LM runs its stack in an inner model and the head and the loss after
+    it: zrs.shard(compile=...) compiles that code of the root's too, the head (tied to the token
+    embedding) and the loss in one graph, with the inner model's call the one graph break.
+    Trained as the eagerly run root trains."""
+    spec = HF_ZOO["hf_gpt2"]
+    torch._dynamo.reset()
+    _RECORDED.clear()
+    counters.clear()
+    try:
+        compiled = zrs.shard(spec.build(), compile="zrs_tests_record")
+        losses = _train(compiled, spec)
+        head_units = [u.name for u in compiled._zrs_state.fetcher.units]
+        eager = _train(zrs.shard(spec.build()), spec)
+    finally:
+        runtime.reset()
+    calls = [
+        {getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes} for gm in _RECORDED
+    ]
+    assert any({"linear", "cross_entropy"} <= c for c in calls), calls
+    assert "lm_head" not in head_units, head_units  # the root unit's: no hook splits the graph
+    breaks = [reason for reason in counters["graph_break"] if "GPT2Model.forward" not in reason]
+    assert not breaks, breaks
+    torch.testing.assert_close(losses, eager, rtol=1e-6, atol=0)
+
+
+def test_a_root_that_runs_the_stack_itself_keeps_its_forward() -> None:
+    """The own zoo's GPT loops over its layers in the root's forward, which a graph break at a
+    layer cannot leave: only its layers compile."""
+    model = spec_of("gpt_tied").build()
+    try:
+        model = zrs.shard(model, compile="aot_eager")
+        assert "forward" not in vars(model)
+        assert "forward" in vars(model.blocks[0])
+    finally:
+        runtime.reset()

@@ -11,6 +11,12 @@ parameters are gathered by one collective.
 
 `zrs.compile` has one unit, the root, without hooks of its own: its compiled graphs gather what
 they use, and a parameter that code outside the graphs reads is fetched on demand under the root.
+
+`zrs.shard(model, compile=...)` compiles each layer of a stack once per distinct block, and, when
+the stack runs inside a submodule (a Hugging Face `*ForCausalLM` around its `*Model`), the root's
+own code around that call too: the head and the loss become one graph, whose fused loss keeps
+the logits' float32 copy and its gradient out of memory. The modules that code reads (the head)
+then belong to the root unit, gathered with it, so that no hook breaks the graph between them.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -33,9 +39,13 @@ ROOT = 0
 _log = logging.getLogger("zrs")
 
 
-def find_units(model: nn.Module, layered: bool) -> list[tuple[nn.Module, Unit]]:
+def find_units(
+    model: nn.Module, layered: bool, runners: tuple[str, ...] = ()
+) -> list[tuple[nn.Module, Unit]]:
     """The root first, then the units in module order; each with the parameters it fetches.
-    `layered=False`: the root alone, with no parameters of its own (zrs.compile)."""
+    `layered=False`: the root alone, with no parameters of its own (zrs.compile). `runners`:
+    the modules whose forwards run the stacks, when the root's own code is compiled: every
+    module outside them belongs to the root unit."""
     if not layered:
         return [(model, Unit("", ()))]
     blocks = repeated_blocks(model)
@@ -49,8 +59,8 @@ def find_units(model: nn.Module, layered: bool) -> list[tuple[nn.Module, Unit]]:
             else next((owner[id(m)] for m in _ancestors(model, name)[1:] if id(m) in owner), None)
         )
         if unit is None and (id(module) in blocks or getattr(module, "_zrs_params", None)):
-            unit = name
-            units.setdefault(name, (module, []))
+            unit = "" if runners and not _inside(name, runners) else name
+            units.setdefault(unit, (module, []))
         if unit is not None and name:
             owner[id(module)] = unit
         hs = units[unit if unit is not None else ""][1]
@@ -59,6 +69,27 @@ def find_units(model: nn.Module, layered: bool) -> list[tuple[nn.Module, Unit]]:
             if all(h is not x for x in hs):
                 hs.append(h)
     return [(m, Unit(name, tuple(hs))) for name, (m, hs) in units.items()]
+
+
+def _inside(name: str, modules: tuple[str, ...]) -> bool:
+    """Whether the module called `name` is one of `modules` or inside one."""
+    return any(name == m or name.startswith(f"{m}.") for m in modules)
+
+
+def stack_runners(model: nn.Module, blocks: set[int]) -> tuple[str, ...] | None:
+    """The names of the modules whose forwards run the stacks of `blocks`: an nn.Sequential
+    itself, an nn.ModuleList's parent (whose forward loops over it). None when that is the root
+    (its forward holds the loop, which no graph break can leave), or when there is no stack."""
+    containers = {name.rpartition(".")[0] for name, m in model.named_modules() if id(m) in blocks}
+    runners = set()
+    for container in containers:
+        if isinstance(model.get_submodule(container), nn.Sequential):
+            runners.add(container)
+        else:
+            runners.add(container.rpartition(".")[0])
+    if not runners or "" in runners:
+        return None
+    return tuple(sorted(runners))
 
 
 def _ancestors(model: nn.Module, name: str) -> list[nn.Module]:
@@ -79,8 +110,8 @@ def install_units(
 ) -> None:
     """Give `state` its eager path and hook its units (all but the root, which the model's
     forward drives: `forward.py`). `compile_backend`: torch.compile each layer of a stack with
-    it (zrs.shard's `compile`)."""
-    units = find_units(model, layered)
+    it, and the root's own code around the stacks where they run in a submodule (zrs.shard's
+    `compile`)."""
     blocks = repeated_blocks(model) if compile_backend is not None else set()
     if compile_backend is not None and not blocks:
         _log.warning(
@@ -90,6 +121,8 @@ def install_units(
             compile_backend,
             type(model).__name__,
         )
+    runners = stack_runners(model, blocks) if blocks else None
+    units = find_units(model, layered, runners or ())
     compiled_forwards: dict[Callable[..., Any], Callable[..., Any]] = {}
     fetcher = Fetcher(state, [u for _, u in units], **limits)
     state.fetcher = fetcher
@@ -101,13 +134,35 @@ def install_units(
     for index, (module, unit) in enumerate(units):
         if index == ROOT:
             continue
-        _share_leaves(module, fetcher)
+        _share_leaves(module.modules(), fetcher)
         frozen = any(not h.param.requires_grad for h in unit.handles)
         module.register_forward_pre_hook(_pre(fetcher, index, frozen), with_kwargs=True)
         module.register_forward_hook(_post(fetcher, index))
         if id(module) in blocks:
             compiled = _compile_once(module, compile_backend, compiled_forwards)
             module.forward = _compiled_forward(module, fetcher, unit, compiled)
+    if runners is not None:
+        _compile_root(model, runners, compile_backend, fetcher, units[ROOT][1])
+
+
+def _compile_root(
+    model: nn.Module,
+    runners: tuple[str, ...],
+    backend: str | None,
+    fetcher: Fetcher,
+    unit: Unit,
+) -> None:
+    """Compile the root's forward around its calls of the stacks' runners, which run eagerly
+    (a graph break each) and call the compiled layers: the code before and after them (the
+    head and the loss) becomes graphs of its own. The root unit's parameters (the head's) are
+    read as graph inputs, as a layer's are."""
+    _share_leaves((m for name, m in model.named_modules() if not _inside(name, runners)), fetcher)
+    for name in runners:
+        runner = model.get_submodule(name)
+        runner.forward = torch.compiler.disable(runner.forward)
+    model.forward = functools.wraps(model.forward)(
+        _compiled_forward(model, fetcher, unit, torch.compile(model.forward, backend=backend))
+    )
 
 
 def _compile_once(
@@ -152,10 +207,10 @@ def _compiled_forward(
     return forward
 
 
-def _share_leaves(unit_module: nn.Module, fetcher: Fetcher) -> None:
+def _share_leaves(modules: Iterable[nn.Module], fetcher: Fetcher) -> None:
     """Give every sharded module of a unit its parameters' leaves, which a compiled forward
     reads as graph inputs (the gather property): the unit's hook gathered them all before."""
-    for module in unit_module.modules():
+    for module in modules:
         params = getattr(module, "_zrs_params", None)
         if params:
             module._zrs_leaves = {

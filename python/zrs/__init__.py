@@ -271,7 +271,9 @@ def shard(
             gathered again only after an optimizer step). Default: 0 (none).
         compile: True (inductor) or the name of a torch.compile backend: compile the forward
             of each layer of a stack of repeated blocks (a transformer's layers) on its own, as
-            FSDP2's users do; the rest of the model runs eagerly. Equal layers share one
+            FSDP2's users do. Where a submodule runs the stack (a Hugging Face `*ForCausalLM`
+            around its `*Model`), the root's forward compiles too, around that call: the head
+            and the loss become one graph. The rest runs eagerly. Equal layers share one
             compile, so the first step costs about one block's compile, not the whole model's
             (docs/compile-time.md). The gathers, prefetches, releases and reduce-scatters stay
             the eager path's, around the compiled forwards; `zrs.compile` plans them inside one

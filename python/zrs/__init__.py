@@ -323,6 +323,8 @@ def shard(
     prepare.install_units(
         model, state, layered=True, limits=limits, compile_backend=compile_backend
     )
+    if compile_backend is not None:
+        integrations.no_cache_in_training(model)
     prepare.install_forward(model, model._call_impl, "zrs.shard")
     return model
 

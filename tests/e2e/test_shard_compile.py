@@ -145,3 +145,24 @@ def test_a_root_that_runs_the_stack_itself_keeps_its_forward() -> None:
         assert "forward" in vars(model.blocks[0])
     finally:
         runtime.reset()
+
+
+def test_a_training_call_builds_no_cache_that_recompiles_each_layer() -> None:
+    """A Llama whose config says use_cache=True: each layer's compiled forward would guard on
+    its own layer of the KV cache a training forward builds, one compile per layer. Training
+    calls run without the cache (one compile for the stack, one for the root's code); a call
+    that asks for the cache gets it."""
+    spec = HF_ZOO["hf_llama"]
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        model = zrs.shard(spec.build(), compile="aot_eager")
+        assert model.config.use_cache
+        spec.loss(model, spec.batch(0, 0)).backward()
+        graphs = counters["stats"]["unique_graphs"]
+        with torch.no_grad():
+            asked = model(input_ids=spec.batch(0, 1)[0], use_cache=True).past_key_values
+    finally:
+        runtime.reset()
+    assert graphs == 2, graphs
+    assert asked is not None

@@ -123,6 +123,28 @@ def adopt_conventions(model: nn.Module, full_state: FullState, rank: int) -> Non
         model._zrs_hf_masks = True
 
 
+def no_cache_in_training(model: nn.Module) -> None:
+    """Compiled layers (zrs.shard's `compile`): a training call that does not name `use_cache`
+    runs with `use_cache=False`, as transformers itself does under gradient checkpointing.
+    Otherwise a model whose config says `use_cache=True` builds a KV cache in every training
+    forward, which nothing reads, and each layer's compiled forward guards on its own layer
+    of that cache (`is_initialized`): one recompile per layer, until dynamo's recompile limit
+    (8) leaves the remaining layers eager."""
+    if getattr(getattr(model, "config", None), "use_cache", None) is not True:
+        return
+    forward = model.forward
+    if "use_cache" not in inspect.signature(forward).parameters:
+        return
+
+    @functools.wraps(forward)
+    def without_cache(*args: Any, **kwargs: Any) -> Any:
+        if "use_cache" not in kwargs and model.training and torch.is_grad_enabled():
+            kwargs["use_cache"] = False
+        return forward(*args, **kwargs)
+
+    model.forward = without_cache
+
+
 class _Positions:
     """Whether the compiled call running now has the model's own positions (see above)."""
 

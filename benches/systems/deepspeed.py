@@ -6,6 +6,7 @@ whether it would import)."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections.abc import Callable
 
 import torch
@@ -83,6 +84,10 @@ def build_deepspeed(ctx: Ctx, deepcompile: bool, offload: bool = False) -> Built
         torch._dynamo.config.accumulated_cache_size_limit = max(
             torch._dynamo.config.accumulated_cache_size_limit, 256
         )
+        # Its scheduler walks the forward graph's dependencies recursively (DeepSpeed 0.19.8,
+        # compile/list_schedule.py): GPT-2 XL's 48 layers passed Python's default depth
+        # (1000) and the compile raised RecursionError (session 48).
+        sys.setrecursionlimit(max(sys.getrecursionlimit(), 20_000))
         engine.compile(backend="inductor")
 
     loss_of = ctx.spec.loss

@@ -166,3 +166,20 @@ def test_a_training_call_builds_no_cache_that_recompiles_each_layer() -> None:
         runtime.reset()
     assert graphs == 2, graphs
     assert asked is not None
+
+
+@pytest.mark.parametrize("model", ["hf_bert", "hf_vit"])
+def test_an_encoder_compiled_around_its_stack_trains_as_eagerly(model: str) -> None:
+    """Encoders whose root compiles more than a head around the stack's runner: BERT's
+    embeddings and mask, ViT's patch embedding (a convolution) and classifier. One rank; the
+    ranks' case is the decoders' (test_hf_models.py, shard:aot_eager)."""
+    spec = HF_ZOO[model]
+    torch._dynamo.reset()
+    try:
+        sharded = zrs.shard(spec.build(), compile="aot_eager")
+        assert "forward" in vars(sharded), "the root's forward compiles"
+        compiled = _train(sharded, spec, steps=3)
+        eager = _train(zrs.shard(spec.build()), spec, steps=3)
+    finally:
+        runtime.reset()
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=0)

@@ -14,8 +14,9 @@ they use, and a parameter that code outside the graphs reads is fetched on deman
 
 `zrs.shard(model, compile=...)` compiles each layer of a stack once per distinct block, and, when
 the stack runs inside a submodule (a Hugging Face `*ForCausalLM` around its `*Model`), the root's
-own code around that call too: the head and the loss become one graph, the loss fused. The modules that code reads (the head)
-then belong to the root unit, gathered with it, so that no hook breaks the graph between them.
+own code around that call too: the head and the loss become one graph. The modules that code
+reads (the head) then belong to the root unit, gathered with it, so that no hook breaks the
+graph between them.
 """
 
 from __future__ import annotations

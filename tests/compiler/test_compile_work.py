@@ -222,6 +222,21 @@ def test_a_compile_says_what_it_is_compiling(backend: str, caplog) -> None:
         assert started and f"zrs: {what}: done in" in " ".join(said), (what, said)
 
 
+class CausalLM(nn.Module):
+    """A Hugging Face-style causal LM: the stack runs in an inner model, and the head and the
+    loss after that call, in the root's forward."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.model = Decoder(layers)
+        self.head = self.model.head  # the inner model's own head is left out of its forward
+        self.model.head = nn.Identity()
+
+    def forward(self, tokens, labels):
+        logits = self.head(self.model(tokens))
+        return nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
 def _layers_work(layers: int) -> tuple[int, list[int]]:
     """zrs.shard(compile="inductor"): the graphs dynamo captured and the FX nodes of each graph
     inductor lowered, for one training step."""
@@ -238,8 +253,9 @@ def _layers_work(layers: int) -> tuple[int, list[int]]:
     with pytest.MonkeyPatch.context() as mp, inductor_config.patch(fx_graph_cache=False):
         mp.setattr(GraphLowering, "run", counting_run)
         try:
-            model = zrs.shard(Decoder(layers), compile="inductor")
-            model(torch.randint(0, VOCAB, (2, 8))).sum().backward()
+            model = zrs.shard(CausalLM(layers), compile="inductor")
+            tokens = torch.randint(0, VOCAB, (2, 8))
+            model(tokens, tokens).backward()
         finally:
             runtime.reset()
     return counters["stats"]["unique_graphs"], lowered
@@ -247,11 +263,12 @@ def _layers_work(layers: int) -> tuple[int, list[int]]:
 
 @pytest.mark.slow
 def test_compiled_layers_of_zrs_shard_compile_once_at_any_depth() -> None:
-    """zrs.shard's compiled layers: one graph for the stack (a forward and a backward lowered),
-    of the same size at 4 and at 32 layers; the embedding and head run eagerly."""
+    """zrs.shard's compiled layers: one graph for the stack and one for the root's code after
+    the inner model's call (the head and the loss), each a forward and a backward lowered, of
+    the same sizes at 4 and at 32 layers; the embedding runs eagerly in the inner model."""
     few, many = _layers_work(4), _layers_work(32)
-    assert few[0] == many[0] == 1, (few, many)
-    assert len(few[1]) == 2 and few[1] == many[1], (few, many)
+    assert few[0] == many[0] == 2, (few, many)
+    assert len(few[1]) == 4 and few[1] == many[1], (few, many)
 
 
 def test_compiling_a_model_without_a_stack_says_so(caplog) -> None:

@@ -7,7 +7,9 @@ guard are `torch.compiler.disable`d). Inductor's generated code
 reads the layers' gathered parameters as graph inputs whose storage the eager path frees and
 refills between the forward and the backward. test_hf_models.py runs three Hugging Face models
 with compiled layers at two ranks; the GPU suite runs four cases with inductor on NCCL, a
-Hugging Face Llama among them.
+Hugging Face Llama among them. In one process below: the root's code around a stack that a
+submodule runs (a Hugging Face model's head and loss) compiles too, and a training call builds
+no KV cache that would recompile each layer.
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ def test_the_head_and_the_loss_compile_as_one_graph_around_the_stack() -> None:
     try:
         compiled = zrs.shard(spec.build(), compile="zrs_tests_record")
         losses = _train(compiled, spec)
-        head_units = [u.name for u in compiled._zrs_state.fetcher.units]
+        unit_names = [u.name for u in compiled._zrs_state.fetcher.units]
         eager = _train(zrs.shard(spec.build()), spec)
     finally:
         runtime.reset()
@@ -129,7 +131,7 @@ def test_the_head_and_the_loss_compile_as_one_graph_around_the_stack() -> None:
         {getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes} for gm in _RECORDED
     ]
     assert any({"linear", "cross_entropy"} <= c for c in calls), calls
-    assert "lm_head" not in head_units, head_units  # the root unit's: no hook splits the graph
+    assert "lm_head" not in unit_names, unit_names  # the root unit's: no hook splits the graph
     breaks = [reason for reason in counters["graph_break"] if "GPT2Model.forward" not in reason]
     assert not breaks, breaks
     torch.testing.assert_close(losses, eager, rtol=1e-6, atol=0)

@@ -76,11 +76,13 @@ def test_the_eager_path_stops_every_rank_within_the_timeout(phase):
 
 
 def test_a_compiled_layer_that_raises_on_one_rank_stops_every_rank_within_the_timeout():
-    """zrs.shard(compile=...): the compiled layers hold no collective, so the raise leaves the
-    peer in the eager path's next gather or reduce-scatter, which times out as without them."""
+    """zrs.shard(compile=...): the compiled layers and the root's compiled head hold no
+    collective, so the raise leaves the peer in the eager path's next gather or reduce-scatter,
+    which times out as without them."""
     results = run_workers(faults.one_rank_raises_in_a_compiled_layer, 2, TIMEOUT, timeout=BOUND)
     peer, failed = (r["errors"] for r in results)
     assert all(r["graphs"] >= 1 for r in results), results  # the layers were compiled
+    assert all(r["root_compiled"] for r in results), results  # and the head around them
     assert failed[0]["kind"] == "Fault" and "compiled layer" in failed[0]["error"]
     _within_timeout(peer[0])
     _within_timeout(failed[1])

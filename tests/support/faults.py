@@ -321,23 +321,23 @@ class _Layer(nn.Module):
 
 
 class _Stack(nn.Module):
-    """Three layers of a stack (zrs.shard(compile=...) compiles them) and a head."""
+    """Three layers of a stack in a submodule (zrs.shard(compile=...) compiles them, and the
+    root's code around the submodule's call: the head) and a head."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(_Layer() for _ in range(3))
+        self.layers = nn.Sequential(*(_Layer() for _ in range(3)))
         self.head = nn.Linear(8, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
+        return self.head(self.layers(x))
 
 
 def one_rank_raises_in_a_compiled_layer(rank: int, world: int, timeout: float) -> dict[str, Any]:
     """zrs.shard(compile="aot_eager"): at step 1 rank 1's middle layer raises inside its
-    compiled forward (recompiled on that rank alone for the flag); every rank goes on with the
-    next batch, as a skip-on-error loop does. Also returns the graphs the ranks compiled."""
+    compiled forward (recompiled on that rank alone for the flag), called from the root's
+    compiled forward; every rank goes on with the next batch, as a skip-on-error loop does.
+    Also returns the graphs the ranks compiled and whether the root's forward was compiled."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -358,7 +358,11 @@ def one_rank_raises_in_a_compiled_layer(rank: int, world: int, timeout: float) -
             opt.step()
         except Exception as e:
             errors.append(_record(name, e))
-    return {"errors": errors, "graphs": counters["stats"]["unique_graphs"]}
+    return {
+        "errors": errors,
+        "graphs": counters["stats"]["unique_graphs"],
+        "root_compiled": "forward" in vars(model),
+    }
 
 
 # --- disagreements ------------------------------------------------------------------------------

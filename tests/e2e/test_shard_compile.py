@@ -137,28 +137,61 @@ def test_the_head_and_the_loss_compile_as_one_graph_around_the_stack() -> None:
     torch.testing.assert_close(losses, eager, rtol=1e-6, atol=0)
 
 
-def test_a_root_that_runs_the_stack_itself_keeps_its_forward() -> None:
-    """The own zoo's GPT loops over its layers in the root's forward, which a graph break at a
-    layer cannot leave: only its layers compile."""
-    model = spec_of("gpt_tied").build()
+def test_a_root_that_runs_the_stack_itself_compiles_around_its_layer_calls() -> None:
+    """The own zoo's GPT loops over its layers in the root's forward, which no graph break can
+    leave: each layer's call is one opaque op of the root's graph (its gathers and its own
+    compiled forward inside), so the embedding, the loop and the head are one graph. Trained
+    as the eagerly run root trains, bit for bit."""
+    spec = spec_of("gpt_tied")
+    torch._dynamo.reset()
+    _RECORDED.clear()
+    counters.clear()
     try:
-        model = zrs.shard(model, compile="aot_eager")
-        assert "forward" not in vars(model)
-        assert "forward" in vars(model.blocks[0])
+        compiled = zrs.shard(spec.build(), compile="zrs_tests_record")
+        losses = _train(compiled, spec, steps=3)
+        unit_names = [u.name for u in compiled._zrs_state.fetcher.units]
+        eager = _train(zrs.shard(spec.build()), spec, steps=3)
     finally:
         runtime.reset()
+    roots = [gm for gm in _RECORDED if any(_is_unit_call(n) for n in gm.graph.nodes)]
+    assert len(roots) == 1, [gm.graph for gm in _RECORDED]
+    calls = [n for n in roots[0].graph.nodes if _is_unit_call(n)]
+    assert len(calls) == len(compiled.blocks), roots[0].graph
+    targets = {getattr(n.target, "__name__", str(n.target)) for n in roots[0].graph.nodes}
+    assert {"embedding", "linear"} <= targets, targets
+    assert unit_names == ["", "blocks.0", "blocks.1"], unit_names
+    assert len(_RECORDED) == 2, [gm.graph for gm in _RECORDED]  # the root's and the layer's
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert losses == eager, (losses, eager)
 
 
-def test_a_training_call_builds_no_cache_that_recompiles_each_layer() -> None:
-    """A Llama whose config says use_cache=True: each layer's compiled forward would guard on
-    its own layer of the KV cache a training forward builds, one compile per layer. Training
-    calls run without the cache (one compile for the stack, one for the root's code); a call
-    that asks for the cache gets it."""
+def _is_unit_call(node: torch.fx.Node) -> bool:
+    return node.target in (torch.ops.zrs.unit_call, torch.ops.zrs.unit_call.default)
+
+
+# peft 0.21's get_peft_model asks transformers 5.24 the deprecated is_gradient_checkpointing
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+@pytest.mark.parametrize("wrapped", ["plain", "peft"])
+def test_a_training_call_builds_no_cache_that_recompiles_each_layer(wrapped: str) -> None:
+    """A four-layer Llama whose config says use_cache=True: each layer's compiled forward would
+    guard on its own layer of the KV cache a training forward builds, one compile per layer.
+    Training calls run without the cache: one compile for the stack and one for the root's
+    code, PEFT's too (its forward passes use_cache on in **kwargs; LoRA's first layer, whose
+    input needs no gradient, compiles once more). A call that asks for the cache gets it."""
     spec = HF_ZOO["hf_llama"]
+    config = spec.build().config
+    config.num_hidden_layers = 4
     torch._dynamo.reset()
     counters.clear()
     try:
-        model = zrs.shard(spec.build(), compile="aot_eager")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = type(spec.build())(config)
+        if wrapped == "peft":
+            peft = pytest.importorskip("peft")
+            lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+            model = peft.get_peft_model(model, lora)
+        model = zrs.shard(model, compile="aot_eager")
         assert model.config.use_cache
         spec.loss(model, spec.batch(0, 0)).backward()
         graphs = counters["stats"]["unique_graphs"]
@@ -166,7 +199,7 @@ def test_a_training_call_builds_no_cache_that_recompiles_each_layer() -> None:
             asked = model(input_ids=spec.batch(0, 1)[0], use_cache=True).past_key_values
     finally:
         runtime.reset()
-    assert graphs == 2, graphs
+    assert graphs == (3 if wrapped == "peft" else 2), graphs
     assert asked is not None
 
 

@@ -133,7 +133,10 @@ def no_cache_in_training(model: nn.Module) -> None:
     if getattr(getattr(model, "config", None), "use_cache", None) is not True:
         return
     forward = model.forward
-    if "use_cache" not in inspect.signature(forward).parameters:
+    parameters = inspect.signature(forward).parameters
+    # PEFT's models pass **kwargs on to the base model's forward, which takes use_cache
+    passes_on = _is_peft(model) and any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    if "use_cache" not in parameters and not passes_on:
         return
 
     @functools.wraps(forward)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zrs.prepare import opaque
 from zrs.prepare.sharding import repeated_blocks
 from zrs.runtime.fetch import Fetcher, Unit
 from zrs.runtime.handles import ParamHandle, handle
@@ -40,11 +41,11 @@ _log = logging.getLogger("zrs")
 
 
 def find_units(
-    model: nn.Module, layered: bool, runners: tuple[str, ...] = ()
+    model: nn.Module, layered: bool, own: tuple[str, ...] = ()
 ) -> list[tuple[nn.Module, Unit]]:
     """The root first, then the units in module order; each with the parameters it fetches.
-    `layered=False`: the root alone, with no parameters of its own (zrs.compile). `runners`:
-    the modules whose forwards run the stacks, when the root's own code is compiled: every
+    `layered=False`: the root alone, with no parameters of its own (zrs.compile). `own`: when
+    the root's own code is compiled, the modules that run the stacks or are their layers: every
     module outside them belongs to the root unit."""
     if not layered:
         return [(model, Unit("", ()))]
@@ -59,7 +60,7 @@ def find_units(
             else next((owner[id(m)] for m in _ancestors(model, name)[1:] if id(m) in owner), None)
         )
         if unit is None and (id(module) in blocks or getattr(module, "_zrs_params", None)):
-            unit = "" if runners and not _inside(name, runners) else name
+            unit = "" if own and not _inside(name, own) else name
             units.setdefault(unit, (module, []))
         if unit is not None and name:
             owner[id(module)] = unit
@@ -76,20 +77,25 @@ def _inside(name: str, modules: tuple[str, ...]) -> bool:
     return any(name == m or name.startswith(f"{m}.") for m in modules)
 
 
-def stack_runners(model: nn.Module, blocks: set[int]) -> tuple[str, ...] | None:
-    """The names of the modules whose forwards run the stacks of `blocks`: an nn.Sequential
-    itself, an nn.ModuleList's parent (whose forward loops over it). None when that is the root
-    (its forward holds the loop, which no graph break can leave), or when there is no stack."""
-    containers = {name.rpartition(".")[0] for name, m in model.named_modules() if id(m) in blocks}
-    runners = set()
-    for container in containers:
+def stack_runners(model: nn.Module, blocks: set[int]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Who runs the stacks of `blocks`: the names of the modules other than the root whose
+    forwards run one (an nn.Sequential itself, an nn.ModuleList's parent), and the names of the
+    layers whose stack the root's own forward runs (its loop, or the root an nn.Sequential)."""
+    runners: set[str] = set()
+    looped: list[str] = []
+    for name, module in model.named_modules():
+        if id(module) not in blocks:
+            continue
+        container = name.rpartition(".")[0]
         if isinstance(model.get_submodule(container), nn.Sequential):
-            runners.add(container)
+            runner = container
         else:
-            runners.add(container.rpartition(".")[0])
-    if not runners or "" in runners:
-        return None
-    return tuple(sorted(runners))
+            runner = container.rpartition(".")[0] if container else ""
+        if runner:
+            runners.add(runner)
+        else:
+            looped.append(name)
+    return tuple(sorted(runners)), tuple(looped)
 
 
 def _ancestors(model: nn.Module, name: str) -> list[nn.Module]:
@@ -121,8 +127,9 @@ def install_units(
             compile_backend,
             type(model).__name__,
         )
-    runners = stack_runners(model, blocks) if blocks else None
-    units = find_units(model, layered, runners or ())
+    runners, looped = stack_runners(model, blocks) if blocks else ((), ())
+    own = runners + looped  # the subtrees whose units stay their own when the root compiles
+    units = find_units(model, layered, own)
     compiled_forwards: dict[Callable[..., Any], Callable[..., Any]] = {}
     fetcher = Fetcher(state, [u for _, u in units], **limits)
     state.fetcher = fetcher
@@ -131,6 +138,7 @@ def install_units(
             module._zrs_fetcher = fetcher  # the gather property reads it
             if layered:
                 module._zrs_leaves = {}  # the root's own: read eagerly
+    eager_forwards = {}
     for index, (module, unit) in enumerate(units):
         if index == ROOT:
             continue
@@ -140,26 +148,32 @@ def install_units(
         module.register_forward_hook(_post(fetcher, index))
         if id(module) in blocks:
             compiled = _compile_once(module, compile_backend, compiled_forwards)
+            eager_forwards[id(module)] = module.forward
             module.forward = _compiled_forward(module, fetcher, unit, compiled)
-    if runners is not None:
-        _compile_root(model, runners, compile_backend, fetcher, units[ROOT][1])
+    if own:
+        for name in runners:
+            runner = model.get_submodule(name)
+            runner.forward = torch.compiler.disable(runner.forward)
+        for name in looped:
+            layer = model.get_submodule(name)
+            opaque.install(layer, fetcher, eager_forwards[id(layer)])
+        root_modules = (m for name, m in model.named_modules() if not _inside(name, own))
+        _compile_root(model, root_modules, compile_backend, fetcher, units[ROOT][1])
 
 
 def _compile_root(
     model: nn.Module,
-    runners: tuple[str, ...],
+    modules: Iterable[nn.Module],
     backend: str | None,
     fetcher: Fetcher,
     unit: Unit,
 ) -> None:
-    """Compile the root's forward around its calls of the stacks' runners, which run eagerly
-    (a graph break each) and call the compiled layers: the code before and after them (the
-    head and the loss) becomes graphs of its own. The root unit's parameters (the head's) are
-    read as graph inputs, as a layer's are."""
-    _share_leaves((m for name, m in model.named_modules() if not _inside(name, runners)), fetcher)
-    for name in runners:
-        runner = model.get_submodule(name)
-        runner.forward = torch.compiler.disable(runner.forward)
+    """Compile the root's forward around the stacks, whose runners run eagerly (a graph break
+    each) and whose layers the root's own loop calls as opaque ops (`opaque.py`): the code
+    before and after them (the embedding, the head and the loss) becomes graphs of its own.
+    The root unit's parameters (`modules`', the head's) are read as graph inputs, as a layer's
+    are."""
+    _share_leaves(modules, fetcher)
     model.forward = functools.wraps(model.forward)(
         _compiled_forward(model, fetcher, unit, torch.compile(model.forward, backend=backend))
     )

@@ -17,10 +17,11 @@ release come from the coordinator, once per module hook.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,11 @@ class Fetcher:
         self.backward_task = -1  # the autograd task whose final callback ends the step
         self.training = False
         self.agreed = False  # the first complete trace was compared across the ranks
+        # Layers called as ops of a compiled root (prepare/opaque.py): per site, the autograd
+        # graphs of this step's calls, for their backwards (last in, first out).
+        self.kept: dict[int, list[tuple[list, list]]] = {}
+        self.nesting = 0  # such a backward runs: its own graph task is not the step's
+        self.fakes: dict[int, torch.Tensor] | None = None  # a fake kernel's leaves
 
     def _new_leaf(self, h: ParamHandle) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = h.compute_dtype
@@ -151,9 +157,40 @@ class Fetcher:
     def param(self, ds_id: int) -> torch.Tensor:
         """The gathered leaf of a parameter that module code reads (gathering it if needed)."""
         slot = self.slot_of[ds_id]
+        if self.fakes is not None:
+            return self.fakes[slot]
         if not self.ready[slot]:
             self._run(self.coordinator.fetch(slot))
         return self.leaves[slot]
+
+    @contextlib.contextmanager
+    def faked(self, slots: Sequence[int], like: torch.Tensor) -> Iterator[None]:
+        """Module code reads fake leaves for `slots`, made by `like`'s (fake) mode: a fake
+        kernel runs a layer's forward for its outputs' metadata."""
+        outer = self.fakes
+        self.fakes = {
+            s: like.new_empty_strided(
+                self.leaves[s].shape, self.leaves[s].stride(), dtype=self.leaves[s].dtype
+            )
+            for s in slots
+        }
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            self.fakes = outer
+
+    @contextlib.contextmanager
+    def nested_backward(self) -> Iterator[None]:
+        """A layer's backward run by an op of the step's backward, as a graph task of its own:
+        the step's end is queued on the step's task, not on that one."""
+        self._queue_end_of_backward()
+        self.nesting += 1
+        try:
+            yield
+        finally:
+            self.nesting -= 1
 
     def gather_now(self, slots: list[int]) -> None:
         """Gather those of `slots` that are not ready (a compiled forward reads them all)."""
@@ -209,6 +246,8 @@ class Fetcher:
         self.entered.clear()
         self.open = False
         self.backward_task = -1
+        self.kept.clear()
+        self.nesting = 0
 
     # --- backward -----------------------------------------------------------------------------
 
@@ -251,7 +290,7 @@ class Fetcher:
 
     def _queue_end_of_backward(self) -> None:
         task = torch._C._current_graph_task_id()
-        if task == -1 or task == self.backward_task:
+        if task == -1 or task == self.backward_task or self.nesting:
             return
         self.backward_task = task
         me = weakref.ref(self)
@@ -263,6 +302,7 @@ class Fetcher:
         self.pack_grads()
         self.backward_task = -1
         self.open = False
+        self.kept.clear()  # and the graphs of forwards whose backward never ran
         released, recorded = self.coordinator.end_backward()
         self._free(released)
         if recorded:

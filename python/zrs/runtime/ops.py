@@ -59,6 +59,16 @@ SCHEMAS = {
     "reduce_grads": (
         "reduce_grads(Tensor[] grads, int graph_id, int[] ds_ids, int[] bucket_numels) -> ()"
     ),
+    # A layer's call inside a compiled root, run eagerly with its unit's gathers and its own
+    # autograd graph, and that graph's backward (prepare/opaque.py; kernels there). `like`: the
+    # inputs whose gradients it returns.
+    "unit_call": (
+        "unit_call(Tensor?[] inputs, bool[] needs_grad, bool grad, int site, str kwnames) "
+        "-> Tensor[]"
+    ),
+    "unit_call_backward": (
+        "unit_call_backward(Tensor?[] grads, Tensor[] like, int site) -> Tensor[]"
+    ),
 }
 for _schema in SCHEMAS.values():
     LIB.define(_schema)
@@ -72,6 +82,8 @@ SIDE_EFFECT_OPS = (
     "allgather_params",
     "release_params",
     "reduce_grads",
+    "unit_call",
+    "unit_call_backward",
 )
 
 # The runtime implementations work on any device through torch.distributed; CUDA kernels for

@@ -1,0 +1,234 @@
+"""Layer calls as opaque ops inside a compiled root (`zrs.shard(model, compile=...)`).
+
+A root whose own forward loops over its stack (`for layer in self.layers: x = layer(x)`) cannot
+leave the loop at a graph break: torch 2.11's dynamo skips a frame that breaks inside a loop, so
+its head and loss would run eagerly. Instead, each call of such a layer is one op of the root's
+graph, `zrs::unit_call`: dynamo, AOTAutograd and inductor see an opaque call of a few nodes, and
+the root's code around the loop (the embedding, the final norm, the head, the loss) compiles as
+one graph, however many layers there are.
+
+The op's kernel is what an eagerly run layer does: the unit's hooks (the coordinator gathers,
+prefetches and releases, `units.py`) around its forward compiled on its own, recorded by autograd
+into a graph of the layer's own, which is kept for the backward. `zrs::unit_call_backward` runs
+that graph's backward (the unit's gathers before it, the gradients' reduce-scatters after it, as
+eagerly) and returns the gradients of the call's inputs to the root's compiled backward. Its
+fake kernel runs the layer's own forward on fake tensors, with fake leaves for its parameters.
+
+A layer is called this way with tensors and `None`s, by position or by keyword, and returns a
+tensor or a tuple of tensors; a call with anything else runs the layer at a graph break, which
+leaves the root's frame to dynamo's skip (it then runs eagerly, its layers still compiled).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._C import DispatchKey
+
+from zrs._core import ZrsError
+from zrs.runtime.fetch import Fetcher
+from zrs.runtime.ops import LIB, outside_dynamo
+
+_AUTOGRAD_KEYS = tuple(
+    getattr(DispatchKey, k)
+    for k in (
+        "AutogradCPU",
+        "AutogradCUDA",
+        "AutogradFunctionality",
+        "ADInplaceOrView",
+        "AutogradOther",
+    )
+)
+
+
+@dataclass(eq=False)
+class Site:
+    """One layer whose calls are opaque ops."""
+
+    module: nn.Module
+    fetcher: Fetcher
+    eager: Callable[..., Any]  # the layer's own forward: the fake kernel runs it
+    slots: tuple[int, ...]  # its parameters' registry slots
+    tuple_out: bool = False  # it returns a tuple (the fake kernel finds out)
+
+
+_ids = itertools.count()
+_SITES: weakref.WeakValueDictionary[int, Site] = weakref.WeakValueDictionary()
+
+
+def install(module: nn.Module, fetcher: Fetcher, eager: Callable[..., Any]) -> None:
+    """Make every call of `module` (a layer of a stack the root runs) the op in compiled code,
+    and its ordinary call (hooks and forward) in eager code."""
+    site_id = next(_ids)
+    slots = tuple(fetcher.slot_of[ds_id] for ds_id, _, _ in _params(module))
+    site = Site(module, fetcher, eager, slots)
+    _SITES[site_id] = site
+    module._zrs_site = site  # keeps it alive with the module
+    call_impl = module._call_impl
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            return call_impl(*args, **kwargs)
+        inputs = [*args, *kwargs.values()]
+        for x in inputs:
+            if not (x is None or isinstance(x, torch.Tensor)):
+                return _at_graph_break(call_impl, *args, **kwargs)
+        needs_grad = [isinstance(x, torch.Tensor) and x.requires_grad for x in inputs]
+        outs = torch.ops.zrs.unit_call(
+            inputs, needs_grad, torch.is_grad_enabled(), site_id, ",".join(kwargs)
+        )
+        return tuple(outs) if site.tuple_out else outs[0]
+
+    # nn.Module.__call__ runs `_compiled_call_impl` when it is set; dynamo inlines it too.
+    module._compiled_call_impl = call
+
+
+@torch.compiler.disable
+def _at_graph_break(call_impl: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return call_impl(*args, **kwargs)
+
+
+def _params(module: nn.Module) -> Iterator[tuple[int, Any, Any]]:
+    for m in module.modules():
+        yield from getattr(m, "_zrs_params", {}).values()
+
+
+def _split(inputs: list[Any], kwnames: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    names = kwnames.split(",") if kwnames else []
+    n = len(inputs) - len(names)
+    return tuple(inputs[:n]), dict(zip(names, inputs[n:], strict=True))
+
+
+@contextlib.contextmanager
+def _autograd_on() -> Iterator[None]:
+    """Autograd inside an op's kernel, which runs below it: the kernel records (or runs) the
+    layer's own graph."""
+    include = torch._C._dispatch_tls_local_include_set()
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in _AUTOGRAD_KEYS:
+        if exclude.has(key):
+            exclude = exclude.remove(key)
+    with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
+        yield
+
+
+def _outputs(site: Site, out: Any) -> list[torch.Tensor]:
+    outs = list(out) if isinstance(out, tuple) else [out]
+    if not all(isinstance(o, torch.Tensor) for o in outs):
+        raise ZrsError(
+            f"zrs.shard(compile=...): {type(site.module).__name__} returned "
+            f"{type(out).__name__}; a layer that the root's compiled loop calls must return a "
+            "tensor or a tuple of tensors. Return those, or compile without zrs (compile=None "
+            "and torch.compile on the layers)"
+        )
+    site.tuple_out = isinstance(out, tuple)
+    return outs
+
+
+def _unit_call(
+    inputs: list[torch.Tensor | None],
+    needs_grad: list[bool],
+    grad: bool,
+    site_id: int,
+    kwnames: str,
+) -> list[torch.Tensor]:
+    site = _SITES[site_id]
+    fetcher = site.fetcher
+    if torch._C._current_graph_task_id() != -1:
+        raise ZrsError(
+            f"{type(site.module).__name__}, a layer that the root's compiled loop calls, was "
+            "recomputed inside the backward (activation checkpointing around the call): its "
+            "call keeps its own autograd graph and cannot be replayed. Checkpoint inside the "
+            "layer's forward instead"
+        )
+    if not grad:
+        args, kwargs = _split(list(inputs), kwnames)
+        return _fresh(_outputs(site, site.module._call_impl(*args, **kwargs)), inputs)
+    leaves = [
+        x.detach().requires_grad_(need) if x is not None else None
+        for x, need in zip(inputs, needs_grad, strict=True)
+    ]
+    args, kwargs = _split(leaves, kwnames)
+    with _autograd_on():
+        outs = _outputs(site, site.module._call_impl(*args, **kwargs))
+    fetcher.kept.setdefault(site_id, []).append((leaves, outs))
+    return _fresh([o.detach() for o in outs], inputs)
+
+
+def _fresh(outs: list[torch.Tensor], inputs: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """The outputs, each copied where it shares storage with an input or an earlier output: an
+    op's outputs may alias nothing (a residual layer that returns its input as is)."""
+    seen = {x.untyped_storage().data_ptr() for x in inputs if x is not None}
+    fresh = []
+    for o in outs:
+        ptr = o.untyped_storage().data_ptr()
+        fresh.append(o.clone() if ptr in seen else o)
+        seen.add(ptr)
+    return fresh
+
+
+def _unit_call_fake(inputs, needs_grad, grad, site_id, kwnames):
+    site = _SITES[site_id]
+    like = next(x for x in inputs if x is not None)
+    args, kwargs = _split(list(inputs), kwnames)
+    with site.fetcher.faked(site.slots, like):
+        out = site.eager(*args, **kwargs)
+    return [torch.empty_like(o) for o in _outputs(site, out)]
+
+
+def _unit_call_backward(
+    grads: list[torch.Tensor | None], like: list[torch.Tensor], site_id: int
+) -> list[torch.Tensor]:
+    site = _SITES[site_id]
+    fetcher = site.fetcher
+    kept = fetcher.kept.get(site_id)
+    if not kept:
+        raise ZrsError(
+            f"the backward of {type(site.module).__name__} (a layer called by the root's compiled "
+            "loop) ran without its forward's graph: a second backward through one forward, or "
+            "a layer recomputed by activation checkpointing around the root's loop. Run one "
+            "backward per forward; checkpoint inside the layer instead"
+        )
+    leaves, outs = kept.pop()
+    pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None and o.requires_grad]
+    with fetcher.nested_backward(), _autograd_on():
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    return [
+        (x.grad if x.grad is not None else torch.zeros_like(x))
+        for x in leaves
+        if x is not None and x.requires_grad
+    ]
+
+
+def _unit_call_backward_fake(grads, like, site_id):
+    return [torch.empty_like(x) for x in like]
+
+
+def _setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    tensors, needs_grad, _, site_id, _ = inputs
+    ctx.site_id = site_id
+    ctx.needs = [need and x is not None for x, need in zip(tensors, needs_grad, strict=True)]
+    # the inputs whose gradients the backward returns, for their metadata (the kept graph holds
+    # them anyway)
+    ctx.save_for_backward(*(x for x, need in zip(tensors, ctx.needs, strict=True) if need))
+
+
+def _backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple:
+    like = list(ctx.saved_tensors)
+    flat = iter(torch.ops.zrs.unit_call_backward(list(grads), like, ctx.site_id))
+    return [next(flat) if need else None for need in ctx.needs], None, None, None, None
+
+
+LIB.impl("unit_call", outside_dynamo(_unit_call), "CompositeExplicitAutograd")
+LIB.impl("unit_call_backward", outside_dynamo(_unit_call_backward), "CompositeExplicitAutograd")
+torch.library.register_fake("zrs::unit_call", _unit_call_fake, lib=LIB)
+torch.library.register_fake("zrs::unit_call_backward", _unit_call_backward_fake, lib=LIB)
+torch.library.register_autograd("zrs::unit_call", _backward, setup_context=_setup, lib=LIB)

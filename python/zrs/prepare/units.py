@@ -12,11 +12,12 @@ parameters are gathered by one collective.
 `zrs.compile` has one unit, the root, without hooks of its own: its compiled graphs gather what
 they use, and a parameter that code outside the graphs reads is fetched on demand under the root.
 
-`zrs.shard(model, compile=...)` compiles each layer of a stack once per distinct block, and, when
-the stack runs inside a submodule (a Hugging Face `*ForCausalLM` around its `*Model`), the root's
-own code around that call too: the head and the loss become one graph. The modules that code
-reads (the head) then belong to the root unit, gathered with it, so that no hook breaks the
-graph between them.
+`zrs.shard(model, compile=...)` compiles each layer of a stack once per distinct block, and the
+root's own code around the stacks too: the embedding, the head and the loss become one graph.
+A stack that runs inside a submodule (a Hugging Face `*ForCausalLM` around its `*Model`) is a
+graph break there; a stack that the root's own forward loops over is called layer by layer as
+opaque ops of the root's graph (`opaque.py`). The modules that code reads (the head) then
+belong to the root unit, gathered with it, so that no hook breaks the graph between them.
 """
 
 from __future__ import annotations

@@ -271,9 +271,11 @@ def shard(
             gathered again only after an optimizer step). Default: 0 (none).
         compile: True (inductor) or the name of a torch.compile backend: compile the forward
             of each layer of a stack of repeated blocks (a transformer's layers) on its own, as
-            FSDP2's users do. Where a submodule runs the stack (a Hugging Face `*ForCausalLM`
-            around its `*Model`), the root's forward compiles too, around that call: the head
-            and the loss become one graph. The rest runs eagerly. Equal layers share one
+            FSDP2's users do, and the root's forward around the stacks: the embedding, the
+            head and the loss become one graph. A submodule that runs a stack (a Hugging Face
+            `*ForCausalLM` around its `*Model`) is a graph break there; a root that loops over
+            its layers itself calls each as one opaque op of its graph (each layer called with
+            tensors and Nones, returning a tensor or a tuple of them). Equal layers share one
             compile, so the first step costs about one block's compile, not the whole model's
             (docs/compile-time.md). The gathers, prefetches, releases and reduce-scatters stay
             the eager path's, around the compiled forwards; `zrs.compile` plans them inside one

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch._dynamo.backends.debugging import aot_eager
 from torch._dynamo.utils import counters
+from torch.utils.checkpoint import checkpoint
 
 import zrs
 from _dist import cached_run, reemit_warnings
@@ -162,6 +163,77 @@ def test_a_root_that_runs_the_stack_itself_compiles_around_its_layer_calls() -> 
     assert unit_names == ["", "blocks.0", "blocks.1"], unit_names
     assert len(_RECORDED) == 2, [gm.graph for gm in _RECORDED]  # the root's and the layer's
     assert not counters["graph_break"], dict(counters["graph_break"])
+    assert losses == eager, (losses, eager)
+
+
+def _checkpointed_gpt(around: bool) -> nn.Module:
+    """The zoo's tied GPT with activation checkpointing inside each layer's forward, or around
+    each layer's call in the root's loop."""
+    gpt = spec_of("gpt_tied").build()
+    if not around:
+        for block in gpt.blocks:
+            block.forward = functools.partial(_checkpointed, type(block).forward, block)
+        return gpt
+
+    class AroundEachCall(type(gpt)):
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            x = self.tok(idx) + self.pos[: idx.shape[1]]
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=False)
+            return self.head(self.ln_f(x))
+
+    gpt.__class__ = AroundEachCall
+    return gpt
+
+
+def _checkpointed(forward, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return checkpoint(forward, block, x, use_reentrant=False)
+
+
+def test_activation_checkpointing_inside_a_looped_layer_and_around_its_call() -> None:
+    """Inside a layer's forward, a recompute runs in the layer's own backward: trained as the
+    eagerly run model, bit for bit. Around the root's call of a layer, the recompute would
+    replay the opaque call, whose autograd graph is its own: a ZrsError that says where to
+    checkpoint instead."""
+    spec = spec_of("gpt_tied")
+    torch._dynamo.reset()
+    try:
+        inside = _train(zrs.shard(_checkpointed_gpt(False), compile="aot_eager"), spec, steps=3)
+        eager = _train(zrs.shard(_checkpointed_gpt(False)), spec, steps=3)
+        runtime.reset()
+        with pytest.raises(zrs.ZrsError, match="Checkpoint inside the layer's forward"):
+            _train(zrs.shard(_checkpointed_gpt(True), compile="aot_eager"), spec, steps=1)
+    finally:
+        runtime.reset()
+    assert inside == eager, (inside, eager)
+
+
+class _ReachingRoot(nn.Module):
+    """Runs its submodule's stack, embedding and head itself, never the submodule's forward,
+    which zrs takes for the stack's runner (an nn.ModuleList's parent)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = spec_of("gpt_tied").build()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        gpt = self.gpt
+        x = gpt.tok(idx) + gpt.pos[: idx.shape[1]]
+        for block in gpt.blocks:
+            x = block(x)
+        return gpt.head(gpt.ln_f(x))
+
+
+def test_a_root_that_reaches_into_a_submodule_trains_as_eagerly() -> None:
+    """The root's compiled code reads the submodule's own parameter (`pos`), whose unit's hook
+    never ran: it is read eagerly, gathered at the read, not as a leaf nothing gathered."""
+    spec = spec_of("gpt_tied")
+    torch._dynamo.reset()
+    try:
+        losses = _train(zrs.shard(_ReachingRoot(), compile="aot_eager"), spec, steps=3)
+        eager = _train(zrs.shard(_ReachingRoot()), spec, steps=3)
+    finally:
+        runtime.reset()
     assert losses == eager, (losses, eager)
 
 

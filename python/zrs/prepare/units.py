@@ -143,7 +143,11 @@ def install_units(
     for index, (module, unit) in enumerate(units):
         if index == ROOT:
             continue
-        _share_leaves(module.modules(), fetcher)
+        if compile_backend is None or id(module) in blocks:
+            # Only code compiled with the unit gathered reads its leaves as graph inputs (a
+            # layer compiled by hand, after its hook): code compiled elsewhere that reads
+            # another unit's parameter (a root reaching into a submodule) reads it eagerly.
+            _share_leaves(module.modules(), fetcher)
         frozen = any(not h.param.requires_grad for h in unit.handles)
         module.register_forward_pre_hook(_pre(fetcher, index, frozen), with_kwargs=True)
         module.register_forward_hook(_post(fetcher, index))

@@ -221,7 +221,8 @@ class _Stack(nn.Module):
 def test_one_torch_compile_per_layer_class(monkeypatch):
     """zrs.shard(compile=...) calls torch.compile once for a stack's forward function, not once
     per layer (each call copies inductor's configuration); a forward set on one instance gets
-    its own; the layers still train as the plain model does."""
+    its own, and the root's forward around the stack one more; the layers still train as the
+    plain model does."""
     calls: list[object] = []
     original = torch.compile
 
@@ -237,9 +238,10 @@ def test_one_torch_compile_per_layer_class(monkeypatch):
     lone = model.layers[-1]
     lone.forward = functools.partial(_Block.forward, lone)  # set on the instance
     model = zrs.shard(model, compile="aot_eager")
-    assert len(calls) == 2, calls
+    assert len(calls) == 3, calls
     assert calls[0] is _Block.forward  # shared by the first three layers
     assert isinstance(calls[1], functools.partial)  # the instance's own
+    assert calls[2].__func__ is _Stack.forward  # the root's loop, around the layers' calls
     opts = [torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM) for m in (plain, model)]
     for _ in range(3):
         x = torch.randn(4, 6)

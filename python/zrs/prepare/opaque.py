@@ -56,6 +56,7 @@ class Site:
     fetcher: Fetcher
     eager: Callable[..., Any]  # the layer's own forward: the fake kernel runs it
     slots: tuple[int, ...]  # its parameters' registry slots
+    anchor: torch.Tensor  # see `new_anchor`
     tuple_out: bool = False  # it returns a tuple (the fake kernel finds out)
 
 
@@ -63,12 +64,23 @@ _ids = itertools.count()
 _SITES: weakref.WeakValueDictionary[int, Site] = weakref.WeakValueDictionary()
 
 
-def install(module: nn.Module, fetcher: Fetcher, eager: Callable[..., Any]) -> None:
+def new_anchor() -> torch.Tensor:
+    """An input of every layer call that needs a gradient, for one model. A layer's parameters
+    are no inputs of its op, so a first layer whose input needs no gradient (token ids' embedding
+    frozen, a plain tensor input) would look constant to autograd, and with it every later
+    layer: none would run its backward. The anchor makes each call's outputs need a gradient
+    whenever autograd records; its own gradient is none."""
+    return torch.zeros((), requires_grad=True)
+
+
+def install(
+    module: nn.Module, fetcher: Fetcher, eager: Callable[..., Any], anchor: torch.Tensor
+) -> None:
     """Make every call of `module` (a layer of a stack the root runs) the op in compiled code,
     and its ordinary call (hooks and forward) in eager code."""
     site_id = next(_ids)
     slots = tuple(fetcher.slot_of[ds_id] for ds_id, _, _ in _params(module))
-    site = Site(module, fetcher, eager, slots)
+    site = Site(module, fetcher, eager, slots, anchor)
     _SITES[site_id] = site
     module._zrs_site = site  # keeps it alive with the module
     call_impl = module._call_impl
@@ -82,7 +94,7 @@ def install(module: nn.Module, fetcher: Fetcher, eager: Callable[..., Any]) -> N
                 return _at_graph_break(call_impl, *args, **kwargs)
         needs_grad = [isinstance(x, torch.Tensor) and x.requires_grad for x in inputs]
         outs = torch.ops.zrs.unit_call(
-            inputs, needs_grad, torch.is_grad_enabled(), site_id, ",".join(kwargs)
+            inputs, site.anchor, needs_grad, torch.is_grad_enabled(), site_id, ",".join(kwargs)
         )
         return tuple(outs) if site.tuple_out else outs[0]
 
@@ -134,6 +146,7 @@ def _outputs(site: Site, out: Any) -> list[torch.Tensor]:
 
 def _unit_call(
     inputs: list[torch.Tensor | None],
+    anchor: torch.Tensor,
     needs_grad: list[bool],
     grad: bool,
     site_id: int,
@@ -174,7 +187,7 @@ def _fresh(outs: list[torch.Tensor], inputs: list[torch.Tensor | None]) -> list[
     return fresh
 
 
-def _unit_call_fake(inputs, needs_grad, grad, site_id, kwnames):
+def _unit_call_fake(inputs, anchor, needs_grad, grad, site_id, kwnames):
     site = _SITES[site_id]
     like = next(x for x in inputs if x is not None)
     args, kwargs = _split(list(inputs), kwnames)
@@ -213,7 +226,7 @@ def _unit_call_backward_fake(grads, like, site_id):
 
 
 def _setup(ctx: Any, inputs: tuple, output: Any) -> None:
-    tensors, needs_grad, _, site_id, _ = inputs
+    tensors, _, needs_grad, _, site_id, _ = inputs
     ctx.site_id = site_id
     ctx.needs = [need and x is not None for x, need in zip(tensors, needs_grad, strict=True)]
     # the inputs whose gradients the backward returns, for their metadata (the kept graph holds
@@ -224,7 +237,7 @@ def _setup(ctx: Any, inputs: tuple, output: Any) -> None:
 def _backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple:
     like = list(ctx.saved_tensors)
     flat = iter(torch.ops.zrs.unit_call_backward(list(grads), like, ctx.site_id))
-    return [next(flat) if need else None for need in ctx.needs], None, None, None, None
+    return [next(flat) if need else None for need in ctx.needs], None, None, None, None, None
 
 
 LIB.impl("unit_call", outside_dynamo(_unit_call), "CompositeExplicitAutograd")

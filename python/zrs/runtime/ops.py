@@ -63,8 +63,8 @@ SCHEMAS = {
     # autograd graph, and that graph's backward (prepare/opaque.py; kernels there). `like`: the
     # inputs whose gradients it returns.
     "unit_call": (
-        "unit_call(Tensor?[] inputs, bool[] needs_grad, bool grad, int site, str kwnames) "
-        "-> Tensor[]"
+        "unit_call(Tensor?[] inputs, Tensor anchor, bool[] needs_grad, bool grad, int site, "
+        "str kwnames) -> Tensor[]"
     ),
     "unit_call_backward": (
         "unit_call_backward(Tensor?[] grads, Tensor[] like, int site) -> Tensor[]"

@@ -237,6 +237,42 @@ def test_a_root_that_reaches_into_a_submodule_trains_as_eagerly() -> None:
     assert losses == eager, (losses, eager)
 
 
+class _Widening(nn.Module):
+    """A layer whose output's shape follows a flag of its own, not its class or parameters."""
+
+    def __init__(self, widen: bool) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+        self.widen = widen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.proj(x))
+        return torch.cat([y, y]) if self.widen else y
+
+
+class _WideningStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Widening(False), _Widening(True)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_equal_layers_whose_outputs_differ_raise() -> None:
+    """The fake kernel's outputs are shared by the layers of a class with equal parameters,
+    called with equal inputs; a layer that breaks that is found at its first call."""
+    torch._dynamo.reset()
+    try:
+        model = zrs.shard(_WideningStack(), compile="aot_eager")
+        with pytest.raises(zrs.ZrsError, match="classes of their own"):
+            model(torch.randn(4, 6)).backward()
+    finally:
+        runtime.reset()
+
+
 def _is_unit_call(node: torch.fx.Node) -> bool:
     return node.target in (torch.ops.zrs.unit_call, torch.ops.zrs.unit_call.default)
 

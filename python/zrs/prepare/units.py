@@ -159,10 +159,10 @@ def install_units(
         for name in runners:
             runner = model.get_submodule(name)
             runner.forward = torch.compiler.disable(runner.forward)
-        anchor = opaque.new_anchor()
+        shared = opaque.LayerCalls()
         for name in looped:
             layer = model.get_submodule(name)
-            opaque.install(layer, fetcher, eager_forwards[id(layer)], anchor)
+            opaque.install(layer, fetcher, eager_forwards[id(layer)], shared)
         root_modules = (m for name, m in model.named_modules() if not _inside(name, own))
         _compile_root(model, root_modules, compile_backend, fetcher, units[ROOT][1])
 

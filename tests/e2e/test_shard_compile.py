@@ -273,6 +273,52 @@ def test_equal_layers_whose_outputs_differ_raise() -> None:
         runtime.reset()
 
 
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.proj(x)) * self.scale
+
+
+class _ScaledStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Scaled() for _ in range(3))
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).square().mean()
+
+
+def test_a_looped_layer_that_reads_a_buffer_trains_as_eagerly() -> None:
+    """The fake kernel runs the layer on fake tensors, its buffers included."""
+    torch._dynamo.reset()
+    losses = []
+    try:
+        for compile in ("aot_eager", False):
+            torch.manual_seed(0)
+            model = zrs.shard(_ScaledStack(), compile=compile)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            run = []
+            for step in range(3):
+                x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+                loss = model(x)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                run.append(loss.item())
+            losses.append(run)
+            runtime.reset()
+    finally:
+        runtime.reset()
+    assert losses[0] == losses[1], losses
+
+
 def _is_unit_call(node: torch.fx.Node) -> bool:
     return node.target in (torch.ops.zrs.unit_call, torch.ops.zrs.unit_call.default)
 

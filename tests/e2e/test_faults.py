@@ -75,11 +75,14 @@ def test_the_eager_path_stops_every_rank_within_the_timeout(phase):
         assert errors[-1]["kind"] == "ZrsError" and "restart" in errors[-1]["error"]
 
 
-def test_a_compiled_layer_that_raises_on_one_rank_stops_every_rank_within_the_timeout():
+@pytest.mark.parametrize("loop", [False, True], ids=["submodule", "loop"])
+def test_a_compiled_layer_that_raises_on_one_rank_stops_every_rank_within_the_timeout(loop):
     """zrs.shard(compile=...): the compiled layers and the root's compiled head hold no
     collective, so the raise leaves the peer in the eager path's next gather or reduce-scatter,
-    which times out as without them."""
-    results = run_workers(faults.one_rank_raises_in_a_compiled_layer, 2, TIMEOUT, timeout=BOUND)
+    which times out as without them; so too where the root's loop calls each layer as an op."""
+    results = run_workers(
+        faults.one_rank_raises_in_a_compiled_layer, 2, TIMEOUT, loop, timeout=BOUND
+    )
     peer, failed = (r["errors"] for r in results)
     assert all(r["graphs"] >= 1 for r in results), results  # the layers were compiled
     assert all(r["root_compiled"] for r in results), results  # and the head around them

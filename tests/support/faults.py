@@ -333,17 +333,30 @@ class _Stack(nn.Module):
         return self.head(self.layers(x))
 
 
-def one_rank_raises_in_a_compiled_layer(rank: int, world: int, timeout: float) -> dict[str, Any]:
+class _LoopStack(_Stack):
+    """The same, its root's own forward looping over the layers (each call an opaque op of the
+    root's compiled graph)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def one_rank_raises_in_a_compiled_layer(
+    rank: int, world: int, timeout: float, loop: bool
+) -> dict[str, Any]:
     """zrs.shard(compile="aot_eager"): at step 1 rank 1's middle layer raises inside its
     compiled forward (recompiled on that rank alone for the flag), called from the root's
-    compiled forward; every rank goes on with the next batch, as a skip-on-error loop does.
-    Also returns the graphs the ranks compiled and whether the root's forward was compiled."""
+    compiled forward (`loop`: from inside the root's graph, by its opaque op); every rank goes
+    on with the next batch, as a skip-on-error loop does. Also returns the graphs the ranks
+    compiled and whether the root's forward was compiled."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    model = zrs.shard(_Stack(), timeout=timeout, compile="aot_eager")
+    model = zrs.shard((_LoopStack if loop else _Stack)(), timeout=timeout, compile="aot_eager")
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     xs = batches(rank, 4, "cpu")
     name = "one_rank_compiled_layer"

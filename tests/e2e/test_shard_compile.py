@@ -295,14 +295,16 @@ class _ScaledStack(nn.Module):
         return self.head(x).square().mean()
 
 
-def test_a_looped_layer_that_reads_a_buffer_trains_as_eagerly() -> None:
-    """The fake kernel runs the layer on fake tensors, its buffers included."""
+def test_a_looped_layer_that_reads_a_buffer_trains_and_evaluates_as_eagerly() -> None:
+    """The fake kernel runs the layer on fake tensors, its buffers included. After each
+    backward, and after a forward under no_grad, no layer call keeps its graph."""
     torch._dynamo.reset()
-    losses = []
+    losses, evals, kept = [], [], []
     try:
         for compile in ("aot_eager", False):
             torch.manual_seed(0)
             model = zrs.shard(_ScaledStack(), compile=compile)
+            fetcher = model._zrs_state.fetcher
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             run = []
             for step in range(3):
@@ -312,11 +314,17 @@ def test_a_looped_layer_that_reads_a_buffer_trains_as_eagerly() -> None:
                 opt.step()
                 opt.zero_grad()
                 run.append(loss.item())
+                kept.append(sum(map(len, fetcher.kept.values())))
+            with torch.no_grad():
+                evals.append(model(torch.ones(2, 6)).item())
+            kept.append(sum(map(len, fetcher.kept.values())))
             losses.append(run)
             runtime.reset()
     finally:
         runtime.reset()
     assert losses[0] == losses[1], losses
+    assert evals[0] == evals[1], evals
+    assert not any(kept), kept
 
 
 def _is_unit_call(node: torch.fx.Node) -> bool:

@@ -327,6 +327,53 @@ def test_a_looped_layer_that_reads_a_buffer_trains_and_evaluates_as_eagerly() ->
     assert not any(kept), kept
 
 
+class _Reading(nn.Module):
+    """A layer that also reads a parameter of a module outside it (held in a plain list, not
+    registered): the root unit's, gathered with it."""
+
+    def __init__(self, shift: nn.Linear) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+        self.shift = [shift]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.proj(x)) + self.shift[0].bias
+
+
+class _ReadingStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = nn.Linear(1, 6)
+        self.layers = nn.ModuleList(_Reading(self.shift) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def test_a_looped_layer_that_reads_a_root_parameter_trains_as_eagerly() -> None:
+    """The fake kernel gives the layer a fake of every parameter it reads, its own or not."""
+    torch._dynamo.reset()
+    losses = []
+    try:
+        for compile in ("aot_eager", False):
+            torch.manual_seed(0)
+            model = zrs.shard(_ReadingStack(), compile=compile)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            for step in range(3):
+                x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+                loss = model(x)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            runtime.reset()
+    finally:
+        runtime.reset()
+    assert losses[:3] == losses[3:], losses
+
+
 def _is_unit_call(node: torch.fx.Node) -> bool:
     return node.target in (torch.ops.zrs.unit_call, torch.ops.zrs.unit_call.default)
 

@@ -78,7 +78,6 @@ class Site:
     module: nn.Module
     fetcher: Fetcher
     eager: Callable[..., Any]  # the layer's own forward: the fake kernel runs it
-    slots: tuple[int, ...]  # its parameters' registry slots
     shared: LayerCalls
     kind: tuple  # equal for layers whose calls with equal inputs give equal outputs
     tuple_out: bool = False  # it returns a tuple (the fake kernel finds out)
@@ -95,14 +94,13 @@ def install(
     """Make every call of `module` (a layer of a stack the root runs) the op in compiled code,
     and its ordinary call (hooks and forward) in eager code."""
     site_id = next(_ids)
-    slots = tuple(fetcher.slot_of[ds_id] for ds_id, _, _ in _params(module))
     kind = (
         type(module),
         getattr(eager, "__func__", eager),
-        tuple(_meta(fetcher.leaves[s]) for s in slots),
+        tuple(_meta(fetcher.leaves[fetcher.slot_of[ds_id]]) for ds_id, _, _ in _params(module)),
         tuple((n, _meta(b)) for n, b in module.named_buffers()),
     )
-    site = Site(module, fetcher, eager, slots, shared, kind)
+    site = Site(module, fetcher, eager, shared, kind)
     _SITES[site_id] = site
     module._zrs_site = site  # keeps it alive with the module
     call_impl = module._call_impl
@@ -233,7 +231,7 @@ def _unit_call_fake(inputs, anchor, needs_grad, grad, site_id, kwnames):
     known = site.shared.outputs.get(key) if key is not None else None
     if known is None:
         args, kwargs = _split(list(inputs), kwnames)
-        with site.fetcher.faked(site.slots, like), _fake_buffers(site.module, like):
+        with site.fetcher.faked(like), _fake_buffers(site.module, like):
             out = site.eager(*args, **kwargs)
         outs = _outputs(site, out)
         if key is None:

@@ -106,7 +106,8 @@ class Fetcher:
         # graphs of this step's calls, for their backwards (last in, first out).
         self.kept: dict[int, list[tuple[list, list]]] = {}
         self.nesting = 0  # such a backward runs: its own graph task is not the step's
-        self.fakes: dict[int, torch.Tensor] | None = None  # a fake kernel's leaves
+        self.fake_like: torch.Tensor | None = None  # a fake kernel runs: its leaves' mode
+        self.fakes: dict[int, torch.Tensor] = {}  # and the leaves it read
 
     def _new_leaf(self, h: ParamHandle) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = h.compute_dtype
@@ -157,29 +158,29 @@ class Fetcher:
     def param(self, ds_id: int) -> torch.Tensor:
         """The gathered leaf of a parameter that module code reads (gathering it if needed)."""
         slot = self.slot_of[ds_id]
-        if self.fakes is not None:
+        if self.fake_like is not None:
+            if slot not in self.fakes:
+                leaf = self.leaves[slot]
+                self.fakes[slot] = self.fake_like.new_empty_strided(
+                    leaf.shape, leaf.stride(), dtype=leaf.dtype
+                )
             return self.fakes[slot]
         if not self.ready[slot]:
             self._run(self.coordinator.fetch(slot))
         return self.leaves[slot]
 
     @contextlib.contextmanager
-    def faked(self, slots: Sequence[int], like: torch.Tensor) -> Iterator[None]:
-        """Module code reads fake leaves for `slots`, made by `like`'s (fake) mode: a fake
-        kernel runs a layer's forward for its outputs' metadata."""
-        outer = self.fakes
-        self.fakes = {
-            s: like.new_empty_strided(
-                self.leaves[s].shape, self.leaves[s].stride(), dtype=self.leaves[s].dtype
-            )
-            for s in slots
-        }
+    def faked(self, like: torch.Tensor) -> Iterator[None]:
+        """Module code reads fake leaves, made by `like`'s (fake) mode: a fake kernel runs a
+        layer's forward for its outputs' metadata."""
+        outer = self.fake_like, self.fakes
+        self.fake_like, self.fakes = like, {}
         self.depth += 1
         try:
             yield
         finally:
             self.depth -= 1
-            self.fakes = outer
+            self.fake_like, self.fakes = outer
 
     @contextlib.contextmanager
     def nested_backward(self) -> Iterator[None]:

@@ -237,7 +237,7 @@ class CausalLM(nn.Module):
         return nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
 
-def _layers_work(layers: int) -> tuple[int, list[int]]:
+def _layers_work(layers: int, build: type[nn.Module] = CausalLM) -> tuple[int, list[int]]:
     """zrs.shard(compile="inductor"): the graphs dynamo captured and the FX nodes of each graph
     inductor lowered, for one training step."""
     lowered: list[int] = []
@@ -253,9 +253,10 @@ def _layers_work(layers: int) -> tuple[int, list[int]]:
     with pytest.MonkeyPatch.context() as mp, inductor_config.patch(fx_graph_cache=False):
         mp.setattr(GraphLowering, "run", counting_run)
         try:
-            model = zrs.shard(CausalLM(layers), compile="inductor")
+            model = zrs.shard(build(layers), compile="inductor")
             tokens = torch.randint(0, VOCAB, (2, 8))
-            model(tokens, tokens).backward()
+            out = model(tokens, tokens) if build is CausalLM else model(tokens).square().mean()
+            out.backward()
         finally:
             runtime.reset()
     return counters["stats"]["unique_graphs"], lowered
@@ -269,6 +270,24 @@ def test_compiled_layers_of_zrs_shard_compile_once_at_any_depth() -> None:
     few, many = _layers_work(4), _layers_work(32)
     assert few[0] == many[0] == 2, (few, many)
     assert len(few[1]) == 4 and few[1] == many[1], (few, many)
+
+
+@pytest.mark.slow
+def test_a_root_that_loops_compiles_a_few_nodes_a_layer_around_one_compiled_layer() -> None:
+    """zrs.shard's compiled layers where the root's own forward loops over them: one graph for
+    the stack, one for the root around the layers' calls (each an opaque op, a node or two),
+    lowered as a forward and a backward each. The layer's graphs keep their sizes from 4 to 32
+    layers; the root's grow by 2 forward and 3 backward nodes a layer (zrs.compile's outer
+    graphs: about 88 a layer, docs/compile-time.md)."""
+    few, many = _layers_work(4, Decoder), _layers_work(32, Decoder)
+    assert few[0] == many[0] == 2, (few, many)
+    assert len(few[1]) == len(many[1]) == 4, (few, many)
+    (root_fw, layer_fw, root_bw, layer_bw), (root_fw_32, layer_fw_32, root_bw_32, layer_bw_32) = (
+        few[1],
+        many[1],
+    )
+    assert (layer_fw, layer_bw) == (layer_fw_32, layer_bw_32), (few, many)
+    assert root_fw_32 - root_fw <= 2 * 28 and root_bw_32 - root_bw <= 3 * 28, (few, many)
 
 
 def test_compiling_a_model_without_a_stack_says_so(caplog) -> None:

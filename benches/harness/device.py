@@ -35,6 +35,29 @@ def compile_phases(least_s: float = 0.5) -> dict[str, float]:
     }
 
 
+def compile_graphs() -> list[dict]:
+    """Each graph torch compiled in this process so far, from its own metrics: its compile id
+    ("frame/recompile"), the function, its FX nodes, and seconds of the forward's whole compile
+    (dynamo to inductor), of the backward's (inductor, lazily at the first backward), and of
+    each's inductor code generation and Triton builds. One model's graphs apart: the layer's
+    and the root's of compiled layers, the block's of FSDP2 + compile."""
+    from torch._dynamo.utils import get_compilation_metrics
+
+    graphs: dict[str, dict] = {}
+    for m in get_compilation_metrics():
+        g = graphs.setdefault(str(m.compile_id), {"id": str(m.compile_id)})
+        side = "fw" if m.is_forward else "bw"
+        if m.co_name:
+            g["fn"] = m.co_name
+        if m.graph_node_count:
+            g["nodes"] = m.graph_node_count
+        total = (m.duration_us or 0) / 1e6
+        g[f"{side}_s"] = round(g.get(f"{side}_s", 0.0) + total, 2)
+        g[f"{side}_codegen_s"] = round((m.code_gen_time_s or 0.0), 2)
+        g[f"{side}_triton_s"] = round((m.triton_compile_time_us or 0) / 1e6, 2)
+    return list(graphs.values())
+
+
 class CollectorTime:
     """Time Python's garbage collector spends between `start()` and `stop()`, by generation: a
     compile creates millions of objects, and each full collection walks all of them."""

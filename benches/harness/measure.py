@@ -12,7 +12,14 @@ import torch
 import torch.distributed as dist
 
 from harness.data import Data, varlen_metrics
-from harness.device import CollectorTime, compile_phases, dynamo_graphs, max_memory, sync
+from harness.device import (
+    CollectorTime,
+    compile_graphs,
+    compile_phases,
+    dynamo_graphs,
+    max_memory,
+    sync,
+)
 from harness.profiling import (
     TRACE_STEPS,
     artifact_path,
@@ -133,6 +140,7 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
         "warmup_s": round(first_step_s, 2),
         "warmup_total_s": round(warmup_total_s, 2),
         "compile_phases_s": compile_phases(),
+        "compile_graphs": compile_graphs(),
         "first_step_gc_s": first_step_gc,  # rank 0's
         "loss": round(loss_t.item(), 4),
         "warmup_steps": warmup,

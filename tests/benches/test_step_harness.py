@@ -21,6 +21,7 @@ FIELDS = {
     "warmup_total_s", "compile_phases_s", "loss", "warmup_steps", "steps", "params_M",
     "micro_batch", "seq_len", "layers", "param_dtype", "master_dtype", "reduce_dtype",
     "cudnn_sdpa", "device", "torch", "nccl", "env", "command", "time", "first_step_gc_s",
+    "compile_graphs",
 }  # fmt: skip
 
 
@@ -48,6 +49,8 @@ def test_step_writes_a_record_per_system_and_tables_them(tmp_path):
         gc_s = r["first_step_gc_s"]
         assert gc_s.keys() == {"young_s", "full_s", "full_collections"}, gc_s
     assert "zrs" in records[0] and records[2]["compile_backend"] == "aot_eager"
+    graphs = records[2]["compile_graphs"]  # single's compiled model, with its backward
+    assert graphs and all({"id", "fw_s", "bw_s"} <= g.keys() for g in graphs), graphs
 
     lines = _step("--table", str(out), cwd=tmp_path).stdout.splitlines()
     assert lines[0].startswith("| preset | GPUs | system |")

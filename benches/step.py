@@ -85,7 +85,10 @@ Metrics (times are the maximum over ranks, step by step):
                               trained step (compilation included); build_s to the end of the
                               build (the library's import included); warmup_total_s to the end of
                               all warm-up steps; compile_phases_s: torch's own compile timers
-                              (dynamo_timed, summed over graphs) that took at least 0.5 s
+                              (dynamo_timed, summed over graphs) that took at least 0.5 s;
+                              compile_graphs: each graph's own (id, function, FX nodes, the
+                              forward's and the backward's compile seconds, their codegen and
+                              Triton builds)
   first_step_gc_s             rank 0's garbage collector over the build and first step: young_s
                               (generations 0 and 1), full_s and full_collections (generation 2)
   gc                          --gc: "freeze" (the collector ran once after the warm-up and froze

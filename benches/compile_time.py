@@ -23,6 +23,8 @@ kept whole under "record") is summarised into the phases below, in seconds, rank
   exchanges      zrs's compile-time rank meetings: the rank check, the budget, the timed sweep
   gc_full        Python's full garbage collections over the build and first step (they walk
                  every object a compile has made so far)
+  graphs         each compiled graph's own forward and backward compile, "fw+bw" seconds, in
+                 compile order (zrs.shard(compile=True): the root's graph, then the layer's)
 """
 
 from __future__ import annotations
@@ -156,16 +158,26 @@ COLUMNS = (
 )  # fmt: skip
 
 
+def graphs(record: dict) -> str:
+    """Each graph's own compile, in compile order: its forward's seconds (dynamo to inductor)
+    and its backward's, "fw+bw"; "-" for a record from before step.py kept them."""
+    kept = record.get("compile_graphs")
+    if not kept:
+        return "-"
+    return ", ".join(f"{g.get('fw_s', 0.0):.1f}+{g.get('bw_s', 0.0):.1f}" for g in kept)
+
+
 def table(rows: list[dict]) -> str:
     """A Markdown table of the rows, one per run."""
-    head = ["preset", "system", "world", "cache", *COLUMNS, "step ms"]
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * 4 + "---:|" * (len(head) - 4)]
+    head = ["preset", "system", "world", "cache", *COLUMNS, "step ms", "graphs (fw+bw s)"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * 4 + "---:|" * (len(head) - 5) + "---|"]
     for r in rows:
         cells = [r["preset"], r["system"], str(r["world"]), r["cache"]]
         if "error" in r:
-            cells += [r["error"]] + [""] * len(COLUMNS)
+            cells += [r["error"]] + [""] * (len(COLUMNS) + 1)
         else:
             cells += [f"{r[c]:.1f}" for c in COLUMNS] + [f"{r.get('step_ms_med') or 0:.1f}"]
+            cells.append(graphs(r.get("record", {})))
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 

@@ -64,6 +64,15 @@ def test_the_table_has_a_row_per_run_and_names_a_failed_one() -> None:
     assert len(lines) == 4 and "| 30.0 |" in lines[2] and "exit status 1" in lines[3]
 
 
+def test_the_table_gives_each_graphs_own_compile() -> None:
+    row = {"system": "zrs_shard_compile", "preset": "1b", "world": 2, "cache": "cold"}
+    graphs = [{"id": "0/0", "fw_s": 3.44, "bw_s": 1.2}, {"id": "1/0", "fw_s": 2.0}]
+    rec = _record() | {"compile_graphs": graphs}
+    lines = table([row | breakdown(rec) | {"record": rec}, row | breakdown(_record())])
+    assert lines.splitlines()[2].endswith("| 3.4+1.2, 2.0+0.0 |"), lines
+    assert lines.splitlines()[3].endswith("| - |"), lines
+
+
 def test_compile_threads_are_torchs_split_among_the_ranks_or_given() -> None:
     assert compile_threads("torch", 2, 32) is None
     assert compile_threads("split", 2, 32) == "16"

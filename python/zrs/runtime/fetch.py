@@ -1,25 +1,21 @@
 """The eager path's runtime: the gathered parameters that module code reads outside compiled
-graphs, and the collectives that the coordinator (`zrs._core.Coordinator`, zrs-core) asks for.
+graphs, and the collectives that the coordinator (`zrs._core.Coordinator`, zrs-core) asks for;
+Python executes its decisions only, once per module hook.
 
 Every sharded parameter has one *leaf*: a tensor of its full shape in the compute dtype, which
 autograd sees as a leaf and module code receives from the gather property. Its storage is
-allocated when the coordinator gathers it and resized to 0 when it releases it. Autograd's saved
-references stay valid because a parameter is gathered again before the backward of any module
-that used it. The collectives write through a second tensor over the same storage (`raw`: flat,
-padded), so the leaf's version counter never moves and autograd's saved-tensor check passes
-(FSDP2 writes its unsharded parameters the same way). Autograd sums the gradient over every use
-of the leaf; its post-accumulate hook hands the sum to the same bucketed, pre-divided
-reduce-scatter as the compiled path (`runtime/grads.py`).
-
-Python executes decisions only: which parameters to gather now, to wait for, to prefetch and to
-release come from the coordinator, once per module hook.
+allocated when the coordinator gathers it and resized to 0 when it releases it; a parameter is
+gathered again before the backward of any module that used it, so autograd's saved references
+stay valid. The collectives write through a second tensor over the same storage (`raw`: flat,
+padded), so the leaf's version counter never moves (FSDP2 writes its unsharded parameters the
+same way). Its post-accumulate hook hands the gradient, summed over every use, to the compiled
+path's bucketed, pre-divided reduce-scatter (`runtime/grads.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -29,12 +25,10 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
 from zrs._core import Coordinator
-from zrs.runtime import grads
+from zrs.runtime import eager_trace, grads
 from zrs.runtime.collectives import all_gather
 from zrs.runtime.handles import ParamHandle, names
 from zrs.runtime.state import ZeroState
-
-_log = logging.getLogger("zrs")
 
 
 @dataclass(eq=False)
@@ -102,8 +96,7 @@ class Fetcher:
         self.backward_task = -1  # the autograd task whose final callback ends the step
         self.training = False
         self.agreed = False  # the first complete trace was compared across the ranks
-        # Layers called as ops of a compiled root (prepare/opaque.py): per site, the autograd
-        # graphs of this step's calls, for their backwards (last in, first out).
+        # per site of a compiled root's layer calls (prepare/opaque.py): this step's graphs
         self.kept: dict[int, list[tuple[list, list]]] = {}
         self.nesting = 0  # such a backward runs: its own graph task is not the step's
         self.fake_like: torch.Tensor | None = None  # a fake kernel runs: its leaves' mode
@@ -171,8 +164,7 @@ class Fetcher:
 
     @contextlib.contextmanager
     def faked(self, like: torch.Tensor) -> Iterator[None]:
-        """Module code reads fake leaves, made by `like`'s (fake) mode: a fake kernel runs a
-        layer's forward for its outputs' metadata."""
+        """Module code reads fake leaves made by `like`'s mode (a fake kernel runs a layer)."""
         outer = self.fake_like, self.fakes
         self.fake_like, self.fakes = like, {}
         self.depth += 1
@@ -309,53 +301,21 @@ class Fetcher:
         if recorded:
             self._agree_trace()
 
-    # --- the trace ----------------------------------------------------------------------------
-
     def _check_trace(self) -> None:
         """A step without backward may complete the trace too: compare it then."""
         if self.coordinator.mode == "complete" and not self.agreed:
             self._agree_trace()
 
     def _agree_trace(self) -> None:
-        """At the end of the first recorded step every rank must have fetched the same modules'
-        parameters in the same order; else a ZrsError on every rank naming the first module
-        that differs (the gathers of the next step would pair up wrongly, or hang)."""
-        self.agreed = True
-        peers = self.state.peers
-        if peers is None:
-            return
-        params = {}
-        for position, slot in self.coordinator.trace_params():
-            params.setdefault(position, []).append(self.handles[slot].name)
-        lines = [
-            f"module {self.units[u].name or '(root)'} fetched {', '.join(params.get(i, [])) or '-'}"
-            for i, u in enumerate(self.coordinator.trace_units())
-        ]
-        with self.state.exchanging("the comparison of the eager trace"):
-            peers.agree(
-                "the order in which modules fetched their parameters in the first step",
-                lines,
-                hint="every rank must run the same modules in the same order (data-dependent "
-                "control flow must agree across ranks)",
-            )
-
-    def warn_diverged(self, diverged: tuple[int, int | None, int]) -> None:
-        position, expected, got = diverged
-        wanted = self.units[expected].name if expected is not None else "the end of the forward"
-        _log.warning(
-            "zrs: the forward ran module %s where the recorded trace had %s (module fetch %d): "
-            "the eager path stops prefetching for this step and records the order again",
-            self.units[got].name or "(root)",
-            wanted or "(root)",
-            position,
-        )
+        self.agreed = True  # the order agreed in runtime/eager_trace.py
+        eager_trace.agree(self.state, self.coordinator, self.handles, [u.name for u in self.units])
 
     # --- executing a decision -----------------------------------------------------------------
 
     def _run(self, fetch: tuple) -> None:
         issue, wait, prefetch, diverged = fetch
         if diverged is not None:
-            self.warn_diverged(diverged)
+            eager_trace.warn_diverged([u.name for u in self.units], diverged)
         now = self._gather(issue) if issue else []
         for group in prefetch:
             for flight in self._gather(group):

@@ -259,7 +259,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--first-profile",
         type=Path,
         metavar="DIR",
-        help="run the build and the first step under cProfile: the raw profile per rank in DIR "
+        help="sample the build's and the first step's Python stacks: collapsed stacks per rank in DIR "
         "and the functions with the most host time in the record (first_profile)",
     )
     p.add_argument(

@@ -3,7 +3,6 @@ make its record (the metrics of benches/step.py's docstring), with the optional 
 
 from __future__ import annotations
 
-import cProfile
 import gc
 import statistics
 import time
@@ -22,11 +21,11 @@ from harness.device import (
 )
 from harness.profiling import (
     TRACE_STEPS,
+    StackSampler,
     artifact_path,
     host_profile,
     memory_step,
     profile_steps,
-    profile_summary,
 )
 from systems import BUILDERS
 from systems import zrs as zrs_systems
@@ -46,13 +45,13 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    first_prof = cProfile.Profile() if args.first_profile is not None else None
+    sampler = StackSampler() if args.first_profile is not None else None
     collector = CollectorTime()
     collector.start()
     first_step_gc: dict = {}
     t0 = time.perf_counter()
-    if first_prof is not None:
-        first_prof.enable()
+    if sampler is not None:
+        sampler.start()
     built = BUILDERS[system](ctx)
     build_s = time.perf_counter() - t0
     loss = None
@@ -63,8 +62,8 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
             sync(device)
             first_step_s = time.perf_counter() - t0
             first_step_gc = collector.stop()
-            if first_prof is not None:
-                first_prof.disable()
+            if sampler is not None:
+                sampler.stop()
     sync(device)
     warmup_total_s = time.perf_counter() - t0
     peak_all = max_memory(device)
@@ -174,9 +173,9 @@ def measure(system: str, ctx: Ctx, distributed: bool) -> dict:
     record.update(built.versions or {})
     if args.trace is not None:
         record.update(profile_steps(system, ctx, built, data, warmup + args.steps))
-    if first_prof is not None:
-        path = artifact_path(args, args.first_profile, system, "prof")
-        record["first_profile"] = profile_summary(first_prof, path, 1)
+    if sampler is not None:
+        path = artifact_path(args, args.first_profile, system, "stacks.txt")
+        record["first_profile"] = sampler.summary(path)
     if args.host_profile is not None:
         record["host_profile"] = host_profile(system, ctx, built, data, warmup + args.steps)
     if args.memory is not None and device.type == "cuda":

@@ -1,14 +1,17 @@
 """The step benchmark's optional looks inside a step, each after the timed steps (so that they
 are not slowed) and each writing a file per rank and a summary into the record: torch.profiler
-traces (--trace), cProfile host profiles (--host-profile, and --first-profile's summary), and the
-CUDA allocator's history (--memory)."""
+traces (--trace), cProfile host profiles (--host-profile), the first step's sampled stacks
+(--first-profile) and the CUDA allocator's history (--memory)."""
 
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import pickle
 import pstats
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -115,6 +118,66 @@ def profile_summary(prof: cProfile.Profile, path: Path, steps: int) -> dict:
         "self_ms": top(2),  # [function, calls per step, own ms per step]
         "cumulative_ms": top(3),
     }
+
+
+class StackSampler:
+    """The calling thread's Python stack, read every ``interval`` seconds from a side thread
+    between `start()` and `stop()`. For the first step (a compile): cProfile's cumulative times
+    are wrong for the recursive and re-entered frames dynamo and inductor run, and its overhead
+    grows the step by ~40%. A function's share of the samples whose stack holds it is its share
+    of the wall time (the samples come late when the step holds the GIL, so they are counted as
+    shares of the measured time, not as intervals)."""
+
+    def __init__(self, interval: float = 0.005) -> None:
+        self.interval = interval
+        self.stacks: collections.Counter[tuple[str, ...]] = collections.Counter()
+        self._target = threading.get_ident()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._wall = 0.0
+
+    def _sample(self) -> None:
+        while not self._done.wait(self.interval):
+            frame = sys._current_frames().get(self._target)
+            names = []
+            while frame is not None:
+                code = frame.f_code
+                names.append(f"{Path(code.co_filename).name}:{code.co_firstlineno}:{code.co_name}")
+                frame = frame.f_back
+            self.stacks[tuple(reversed(names))] += 1
+
+    def start(self) -> None:
+        self._wall = time.perf_counter()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._wall = time.perf_counter() - self._wall
+        self._done.set()
+        self._thread.join()
+
+    def summary(self, path: Path) -> dict:
+        """The collapsed stacks to ``path`` (flame-graph input: frames joined by ";", then the
+        count); the functions with the most seconds with their callees and on their own."""
+        held: collections.Counter[str] = collections.Counter()
+        own: collections.Counter[str] = collections.Counter()
+        with open(path, "w") as f:
+            for stack, n in self.stacks.items():
+                f.write(f"{';'.join(stack)} {n}\n")
+                held.update(dict.fromkeys(set(stack), n))
+                own[stack[-1] if stack else "?"] += n
+
+        per_sample = self._wall / max(1, sum(self.stacks.values()))
+
+        def top(counts: collections.Counter[str], rows: int) -> list:
+            return [[name, round(n * per_sample, 2)] for name, n in counts.most_common(rows)]
+
+        return {
+            "stacks": str(path),
+            "seconds": round(self._wall, 2),
+            "samples": sum(self.stacks.values()),
+            "held_s": top(held, 2 * HOST_TOP),
+            "own_s": top(own, HOST_TOP),
+        }
 
 
 def memory_step(system: str, ctx: Ctx, built: Built, data: Data, start: int) -> dict:

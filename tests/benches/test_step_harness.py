@@ -39,7 +39,7 @@ def test_step_writes_a_record_per_system_and_tables_them(tmp_path):
     out = tmp_path / "step.jsonl"
     _step("--preset", "tiny", "--systems", ",".join(SYSTEMS), "--device", "cpu",
           "--compile-backend", "aot_eager", "--warmup", "1", "--steps", "1", "--out", str(out),
-          cwd=tmp_path)  # fmt: skip
+          "--first-profile", str(tmp_path / "first"), cwd=tmp_path)  # fmt: skip
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["system"] for r in records] == list(SYSTEMS)
     for r in records:
@@ -48,6 +48,14 @@ def test_step_writes_a_record_per_system_and_tables_them(tmp_path):
         assert r["world"] == 1 and r["preset"] == "tiny" and len(r["step_ms_each"]) == 1
         gc_s = r["first_step_gc_s"]
         assert gc_s.keys() == {"young_s", "full_s", "full_collections"}, gc_s
+        # The first step's sampled stacks: a file of collapsed stacks, and the harness's own
+        # frame holding (nearly) every sample.
+        first = r["first_profile"]
+        stacks = Path(first["stacks"]).read_text().splitlines()
+        assert stacks and all(line.rsplit(" ", 1)[1].isdigit() for line in stacks), stacks[:3]
+        held = dict(first["held_s"])
+        measured = [s for name, s in held.items() if name.endswith(":measure")]
+        assert measured and measured[0] >= 0.9 * first["seconds"] > 0, first
     assert "zrs" in records[0] and records[2]["compile_backend"] == "aot_eager"
     graphs = records[2]["compile_graphs"]  # single's compiled model, with its backward
     assert graphs and all({"id", "fw_s", "bw_s"} <= g.keys() for g in graphs), graphs

@@ -237,6 +237,33 @@ def test_a_root_that_reaches_into_a_submodule_trains_as_eagerly() -> None:
     assert losses == eager, (losses, eager)
 
 
+def test_code_the_user_compiles_reads_a_units_leaves_only_inside_its_call() -> None:
+    """torch.compile(zrs.shard(model)) on the reaching root: its graphs read the submodule's
+    `pos`, which no hook gathered, eagerly (a leaf read there raised on its empty storage). A
+    layer compiled by hand and called outside the model's forward reads its parameters gathered
+    at the read, as the eager layer does."""
+    spec = spec_of("gpt_tied")
+    torch._dynamo.reset()
+    x = torch.randn(
+        2, 5, spec.build().tok.embedding_dim, generator=torch.Generator().manual_seed(9)
+    )
+    try:
+        eager_model = zrs.shard(_ReachingRoot())
+        eager = _train(eager_model, spec, steps=3)
+        alone = eager_model.gpt.blocks[0](x)
+        whole = _train(torch.compile(zrs.shard(_ReachingRoot()), backend="aot_eager"), spec, 3)
+        hand_model = zrs.shard(_ReachingRoot())
+        for block in hand_model.gpt.blocks:
+            block.compile(backend="aot_eager")
+        hand = _train(hand_model, spec, steps=3)
+        hand_alone = hand_model.gpt.blocks[0](x)
+    finally:
+        runtime.reset()
+    assert whole == eager, (whole, eager)
+    assert hand == eager, (hand, eager)
+    torch.testing.assert_close(hand_alone, alone, rtol=0, atol=0)
+
+
 class _Widening(nn.Module):
     """A layer whose output's shape follows a flag of its own, not its class or parameters."""
 

@@ -143,14 +143,18 @@ def install_units(
     for index, (module, unit) in enumerate(units):
         if index == ROOT:
             continue
-        if compile_backend is None or id(module) in blocks:
-            # Only code compiled with the unit gathered reads its leaves as graph inputs (a
-            # layer compiled by hand, after its hook): code compiled elsewhere that reads
-            # another unit's parameter (a root reaching into a submodule) reads it eagerly.
+        # Only code compiled with the unit gathered reads its leaves as graph inputs; code
+        # compiled elsewhere that reads another unit's parameter (a root reaching into a
+        # submodule) reads it eagerly. zrs.shard's compiled layers: always after the hook.
+        # Code the user compiles (a layer by hand, the whole model): the leaves are there only
+        # while the unit's hook has it entered, and dynamo's guards on them send a read outside
+        # (a tied head's `self.tok.weight` after the embedding's call) to the eager read.
+        lent = [] if compile_backend is not None else _unit_leaves(module.modules(), fetcher)
+        if id(module) in blocks:
             _share_leaves(module.modules(), fetcher)
         frozen = any(not h.param.requires_grad for h in unit.handles)
-        module.register_forward_pre_hook(_pre(fetcher, index, frozen), with_kwargs=True)
-        module.register_forward_hook(_post(fetcher, index))
+        module.register_forward_pre_hook(_pre(fetcher, index, frozen, lent), with_kwargs=True)
+        module.register_forward_hook(_post(fetcher, index, lent))
         if id(module) in blocks:
             compiled = _compile_once(module, compile_backend, compiled_forwards)
             eager_forwards[id(module)] = module.forward
@@ -227,19 +231,33 @@ def _compiled_forward(
     return forward
 
 
-def _share_leaves(modules: Iterable[nn.Module], fetcher: Fetcher) -> None:
-    """Give every sharded module of a unit its parameters' leaves, which a compiled forward
-    reads as graph inputs (the gather property): the unit's hook gathered them all before."""
+Lent = list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]
+
+
+def _unit_leaves(modules: Iterable[nn.Module], fetcher: Fetcher) -> Lent:
+    """Each sharded module of a unit: its dict of leaves (the gather property's) and its
+    parameters' leaves, to put there for good (`_share_leaves`) or while the unit's hook has
+    it entered (`_pre`)."""
+    found = []
     for module in modules:
         params = getattr(module, "_zrs_params", None)
         if params:
-            module._zrs_leaves = {
+            leaves = {
                 name: fetcher.leaves[fetcher.slot_of[ds_id]]
                 for name, (ds_id, _, _) in params.items()
             }
+            found.append((module._zrs_leaves, leaves))
+    return found
 
 
-def _pre(fetcher: Fetcher, unit: int, frozen: bool):
+def _share_leaves(modules: Iterable[nn.Module], fetcher: Fetcher) -> None:
+    """Give every sharded module of a unit its parameters' leaves for good, which a forward
+    compiled by zrs reads as graph inputs (the gather property): it runs after the hook."""
+    for held, leaves in _unit_leaves(modules, fetcher):
+        held.update(leaves)
+
+
+def _pre(fetcher: Fetcher, unit: int, frozen: bool, lent: Lent):
     # A torch.compile that reaches a hook (layer.compile(), torch.compile(model)) breaks its
     # graph at the call and runs the hook eagerly: dynamo never traces the coordinator.
     @torch.compiler.disable
@@ -247,13 +265,18 @@ def _pre(fetcher: Fetcher, unit: int, frozen: bool):
         fetcher.enter(unit)
         if frozen:
             fetcher.after_backward(unit, (args, kwargs))
+        if fetcher.entered[-1]:  # inside the model's forward: the unit's leaves are gathered
+            for held, leaves in lent:
+                held.update(leaves)
 
     return hook
 
 
-def _post(fetcher: Fetcher, unit: int):
+def _post(fetcher: Fetcher, unit: int, lent: Lent):
     @torch.compiler.disable
     def hook(module: nn.Module, args: Any, output: Any) -> None:
+        for held, _ in lent:
+            held.clear()
         fetcher.exit(unit, output)
 
     return hook

@@ -337,29 +337,46 @@ def _regression_losses(model: nn.Module, after_step=lambda: None) -> list[float]
 
 
 def test_a_looped_layer_that_reads_a_buffer_trains_and_evaluates_as_eagerly() -> None:
-    """The fake kernel runs the layer on fake tensors, its buffers included. After each
-    backward, and after a forward under no_grad, no layer call keeps its graph."""
+    """The fake kernel runs the layer on fake tensors, its buffers included. Each layer call's
+    graph lives as long as the root's autograd graph: none after the backwards or a forward
+    under no_grad, and an evaluation's with gradients on goes with its output."""
     torch._dynamo.reset()
-    losses, evals, kept = [], [], []
+    losses, evals = [], []
     try:
         for compile in ("aot_eager", False):
             torch.manual_seed(0)
             model = zrs.shard(_ScaledStack(), compile=compile)
-            fetcher = model._zrs_state.fetcher
-
-            def count_kept(fetcher=fetcher) -> None:
-                kept.append(sum(map(len, fetcher.kept.values())))
-
-            losses.append(_regression_losses(model, count_kept))
+            losses.append(_regression_losses(model))
             with torch.no_grad():
                 evals.append(model(torch.ones(2, 6)).item())
-            count_kept()
+            if compile:
+                kept = model.layers[0]._zrs_site.shared.kept
+                counts = [len(kept)]
+                model.eval()
+                out = model(torch.ones(2, 6))  # gradients on, and no backward
+                counts.append(len(kept))
+                del out
+                counts.append(len(kept))
             runtime.reset()
     finally:
         runtime.reset()
     assert losses[0] == losses[1], losses
     assert evals[0] == evals[1], evals
-    assert not any(kept), kept
+    assert counts == [0, 3, 0], counts
+
+
+def test_two_forwards_before_one_backward_raise_through_looped_layers() -> None:
+    """A layer's calls run their backwards one at a time (each its own graph): one backward
+    through two of them would find its gradients reduced and its parameters released after the
+    first, so it says so."""
+    torch._dynamo.reset()
+    try:
+        model = zrs.shard(_ScaledStack(), compile="aot_eager")
+        first, second = model(torch.randn(4, 6)), model(torch.randn(4, 6))
+        with pytest.raises(zrs.ZrsError, match="two forwards before one backward"):
+            (first + second).backward()
+    finally:
+        runtime.reset()
 
 
 class _Reading(nn.Module):

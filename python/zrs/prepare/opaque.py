@@ -9,8 +9,10 @@ one graph, however many layers there are.
 
 The op's kernel is what an eagerly run layer does: the unit's hooks (the coordinator gathers,
 prefetches and releases, `units.py`) around its forward compiled on its own, recorded by autograd
-into a graph of the layer's own, which is kept for the backward. `zrs::unit_call_backward` runs
-that graph's backward (the unit's gathers before it, the gradients' reduce-scatters after it, as
+into a graph of the layer's own, which is kept for the backward: the call's last output is a
+token whose buffer holds that graph (`_Kept`), and the root's backward saves the token, so the
+graph lives exactly as long as the root's autograd graph (an evaluation's forward with gradients
+on frees it with its output). `zrs::unit_call_backward` runs that graph's backward (the unit's gathers before it, the gradients' reduce-scatters after it, as
 eagerly) and returns the gradients of the call's inputs to the root's compiled backward. Its
 fake kernel runs the layer's own forward on fake tensors, with fake leaves for its parameters.
 
@@ -64,11 +66,14 @@ class LayerCalls:
     AOTAutograd run the fake kernel three times a call, each a run of the layer's forward on
     fake tensors (0.6 s of a 3.6-4.3 s first step at 16 tiny layers on the CPU; 0.1 s with one
     run a kind); equal layers of a stack called with equal inputs give equal outputs, so one
-    run serves them all. The first real call of each layer after a compile checks that it did."""
+    run serves them all. The first real call of each layer after a compile checks that it did.
+
+    `kept`: the graphs of the calls whose backward has not run, by their token's address."""
 
     def __init__(self) -> None:
         self.anchor = torch.zeros((), requires_grad=True)
         self.outputs: dict[tuple, tuple[list[Meta], bool]] = {}
+        self.kept: weakref.WeakValueDictionary[int, _Kept] = weakref.WeakValueDictionary()
 
 
 @dataclass(eq=False)
@@ -82,6 +87,28 @@ class Site:
     kind: tuple  # equal for layers whose calls with equal inputs give equal outputs
     tuple_out: bool = False  # it returns a tuple (the fake kernel finds out)
     expect: tuple[tuple, list[Meta]] | None = None  # what the fake kernel promised last
+    backward_task: int = -1  # the step's backward that ran a kept graph of this layer last
+
+
+class _Kept(bytearray):
+    """One call's autograd graph (its inputs' leaves and its outputs) as the buffer of the
+    call's token: the token's storage holds the buffer, so the graph goes with the last
+    autograd graph that saved the token. Found again by the token's address
+    (`LayerCalls.kept`)."""
+
+    leaves: list[torch.Tensor | None] | None
+    outs: list[torch.Tensor] | None
+
+
+def _token(
+    site: Site, leaves: list[torch.Tensor | None] | None, outs: list[torch.Tensor] | None
+) -> torch.Tensor:
+    kept = _Kept(1)
+    kept.leaves, kept.outs = leaves, outs
+    token = torch.frombuffer(kept, dtype=torch.uint8)  # its storage holds `kept`
+    if outs is not None:
+        site.shared.kept[token.data_ptr()] = kept
+    return token
 
 
 _ids = itertools.count()
@@ -113,7 +140,7 @@ def install(
             if not (x is None or isinstance(x, torch.Tensor)):
                 return _at_graph_break(call_impl, *args, **kwargs)
         needs_grad = [isinstance(x, torch.Tensor) and x.requires_grad for x in inputs]
-        outs = torch.ops.zrs.unit_call(
+        *outs, _token = torch.ops.zrs.unit_call(
             inputs, shared.anchor, needs_grad, torch.is_grad_enabled(), site_id, ",".join(kwargs)
         )
         return tuple(outs) if site.tuple_out else outs[0]
@@ -173,7 +200,6 @@ def _unit_call(
     kwnames: str,
 ) -> list[torch.Tensor]:
     site = _SITES[site_id]
-    fetcher = site.fetcher
     if torch._C._current_graph_task_id() != -1:
         raise ZrsError(
             f"{type(site.module).__name__}, a layer that the root's compiled loop calls, was "
@@ -184,6 +210,7 @@ def _unit_call(
     if not grad:
         args, kwargs = _split(list(inputs), kwnames)
         outs = _outputs(site, site.module._call_impl(*args, **kwargs))
+        token = _token(site, None, None)
     else:
         leaves = [
             x.detach().requires_grad_(need) if x is not None else None
@@ -192,11 +219,11 @@ def _unit_call(
         args, kwargs = _split(leaves, kwnames)
         with _autograd_on():
             outs = _outputs(site, site.module._call_impl(*args, **kwargs))
-        fetcher.kept.setdefault(site_id, []).append((leaves, outs))
+        token = _token(site, leaves, outs)
         outs = [o.detach() for o in outs]
     if site.expect is not None:
         _check_promise(site, inputs, kwnames, outs)
-    return _fresh(outs, inputs)
+    return [*_fresh(outs, inputs), token]
 
 
 def _fresh(outs: list[torch.Tensor], inputs: list[torch.Tensor | None]) -> list[torch.Tensor]:
@@ -235,11 +262,15 @@ def _unit_call_fake(inputs, anchor, needs_grad, grad, site_id, kwnames):
             out = site.eager(*args, **kwargs)
         outs = _outputs(site, out)
         if key is None:
-            return [torch.empty_like(o) for o in outs]
+            return [
+                *(torch.empty_like(o) for o in outs),
+                like.new_empty(1, dtype=torch.uint8, device="cpu"),
+            ]
         known = site.shared.outputs[key] = ([_meta(o) for o in outs], site.tuple_out)
     metas, site.tuple_out = known
     site.expect = (key, metas)
-    return [like.new_empty_strided(shape, stride, dtype=dtype) for shape, stride, dtype in metas]
+    outs = [like.new_empty_strided(shape, stride, dtype=dtype) for shape, stride, dtype in metas]
+    return [*outs, like.new_empty(1, dtype=torch.uint8, device="cpu")]
 
 
 @contextlib.contextmanager
@@ -272,19 +303,33 @@ def _check_promise(site: Site, inputs: list, kwnames: str, outs: list[torch.Tens
 
 
 def _unit_call_backward(
-    grads: list[torch.Tensor | None], like: list[torch.Tensor], site_id: int
+    grads: list[torch.Tensor | None], like: list[torch.Tensor], token: torch.Tensor, site_id: int
 ) -> list[torch.Tensor]:
     site = _SITES[site_id]
     fetcher = site.fetcher
-    kept = fetcher.kept.get(site_id)
-    if not kept:
+    name = type(site.module).__name__
+    kept = site.shared.kept.get(token.data_ptr())
+    if kept is None or kept.outs is None:
         raise ZrsError(
-            f"the backward of {type(site.module).__name__} (a layer called by the root's compiled "
-            "loop) ran without its forward's graph: a second backward through one forward, or "
-            "a layer recomputed by activation checkpointing around the root's loop. Run one "
-            "backward per forward; checkpoint inside the layer instead"
+            f"the backward of {name} (a layer called by the root's compiled loop) ran without "
+            "its forward's graph: a second backward through one forward, or a layer recomputed "
+            "by activation checkpointing around the root's loop. Run one backward per forward; "
+            "checkpoint inside the layer instead"
         )
-    leaves, outs = kept.pop()
+    task = torch._C._current_graph_task_id()
+    if task == site.backward_task:
+        # Its parameters' gradients were complete, reduced and their gathered copies released
+        # when the first of the calls' graphs ran its backward.
+        raise ZrsError(
+            f"one backward ran two calls of {name} (a layer called by the root's compiled loop): "
+            "two forwards before one backward, or the layer called twice in a forward. Its "
+            "calls run their backwards one at a time, so its gradients would be complete after "
+            "the first; call backward() after each forward (for gradient accumulation, one per "
+            "micro-batch), or compile=None and torch.compile on the layers"
+        )
+    site.backward_task = task
+    leaves, outs = kept.leaves, kept.outs
+    kept.leaves = kept.outs = None  # one backward per forward
     pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None and o.requires_grad]
     with fetcher.nested_backward(), _autograd_on():
         if pairs:
@@ -296,7 +341,7 @@ def _unit_call_backward(
     ]
 
 
-def _unit_call_backward_fake(grads, like, site_id):
+def _unit_call_backward_fake(grads, like, token, site_id):
     return [torch.empty_like(x) for x in like]
 
 
@@ -305,13 +350,15 @@ def _setup(ctx: Any, inputs: tuple, output: Any) -> None:
     ctx.site_id = site_id
     ctx.needs = [need and x is not None for x, need in zip(tensors, needs_grad, strict=True)]
     # the inputs whose gradients the backward returns, for their metadata (the kept graph holds
-    # them anyway)
-    ctx.save_for_backward(*(x for x, need in zip(tensors, ctx.needs, strict=True) if need))
+    # them anyway), and the token that holds the kept graph
+    ctx.save_for_backward(
+        output[-1], *(x for x, need in zip(tensors, ctx.needs, strict=True) if need)
+    )
 
 
 def _backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple:
-    like = list(ctx.saved_tensors)
-    flat = iter(torch.ops.zrs.unit_call_backward(list(grads), like, ctx.site_id))
+    token, *like = ctx.saved_tensors
+    flat = iter(torch.ops.zrs.unit_call_backward(list(grads[:-1]), like, token, ctx.site_id))
     return [next(flat) if need else None for need in ctx.needs], None, None, None, None, None
 
 

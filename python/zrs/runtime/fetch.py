@@ -96,8 +96,6 @@ class Fetcher:
         self.backward_task = -1  # the autograd task whose final callback ends the step
         self.training = False
         self.agreed = False  # the first complete trace was compared across the ranks
-        # per site of a compiled root's layer calls (prepare/opaque.py): this step's graphs
-        self.kept: dict[int, list[tuple[list, list]]] = {}
         self.nesting = 0  # such a backward runs: its own graph task is not the step's
         self.fake_like: torch.Tensor | None = None  # a fake kernel runs: its leaves' mode
         self.fakes: dict[int, torch.Tensor] = {}  # and the leaves it read
@@ -239,7 +237,6 @@ class Fetcher:
         self.entered.clear()
         self.open = False
         self.backward_task = -1
-        self.kept.clear()
         self.nesting = 0
 
     # --- backward -----------------------------------------------------------------------------
@@ -295,7 +292,6 @@ class Fetcher:
         self.pack_grads()
         self.backward_task = -1
         self.open = False
-        self.kept.clear()  # and the graphs of forwards whose backward never ran
         released, recorded = self.coordinator.end_backward()
         self._free(released)
         if recorded:

@@ -60,14 +60,14 @@ SCHEMAS = {
         "reduce_grads(Tensor[] grads, int graph_id, int[] ds_ids, int[] bucket_numels) -> ()"
     ),
     # A layer's call inside a compiled root, run eagerly with its unit's gathers and its own
-    # autograd graph, and that graph's backward (prepare/opaque.py; kernels there). `like`: the
-    # inputs whose gradients it returns.
+    # autograd graph, and that graph's backward (prepare/opaque.py; kernels there). The call's
+    # last output is a token that holds its graph; `like`: the inputs whose gradients it returns.
     "unit_call": (
         "unit_call(Tensor?[] inputs, Tensor anchor, bool[] needs_grad, bool grad, int site, "
         "str kwnames) -> Tensor[]"
     ),
     "unit_call_backward": (
-        "unit_call_backward(Tensor?[] grads, Tensor[] like, int site) -> Tensor[]"
+        "unit_call_backward(Tensor?[] grads, Tensor[] like, Tensor token, int site) -> Tensor[]"
     ),
 }
 for _schema in SCHEMAS.values():

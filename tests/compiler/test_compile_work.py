@@ -277,8 +277,8 @@ def test_a_root_that_loops_compiles_a_few_nodes_a_layer_around_one_compiled_laye
     """zrs.shard's compiled layers where the root's own forward loops over them: one graph for
     the stack, one for the root around the layers' calls (each an opaque op, a node or two),
     lowered as a forward and a backward each. The layer's graphs keep their sizes from 4 to 32
-    layers; the root's grow by 2 forward and 3 backward nodes a layer (zrs.compile's outer
-    graphs: about 88 a layer, docs/compile-time.md)."""
+    layers; the root's grow by 3 forward and 4 backward nodes a layer (the op, its output and
+    its token; zrs.compile's outer graphs: about 88 a layer, docs/compile-time.md)."""
     few, many = _layers_work(4, Decoder), _layers_work(32, Decoder)
     assert few[0] == many[0] == 2, (few, many)
     assert len(few[1]) == len(many[1]) == 4, (few, many)
@@ -287,7 +287,7 @@ def test_a_root_that_loops_compiles_a_few_nodes_a_layer_around_one_compiled_laye
         many[1],
     )
     assert (layer_fw, layer_bw) == (layer_fw_32, layer_bw_32), (few, many)
-    assert root_fw_32 - root_fw <= 2 * 28 and root_bw_32 - root_bw <= 3 * 28, (few, many)
+    assert root_fw_32 - root_fw <= 3 * 28 and root_bw_32 - root_bw <= 4 * 28, (few, many)
 
 
 def test_compiling_a_model_without_a_stack_says_so(caplog) -> None:

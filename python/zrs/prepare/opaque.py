@@ -12,9 +12,10 @@ prefetches and releases, `units.py`) around its forward compiled on its own, rec
 into a graph of the layer's own, which is kept for the backward: the call's last output is a
 token whose buffer holds that graph (`_Kept`), and the root's backward saves the token, so the
 graph lives exactly as long as the root's autograd graph (an evaluation's forward with gradients
-on frees it with its output). `zrs::unit_call_backward` runs that graph's backward (the unit's gathers before it, the gradients' reduce-scatters after it, as
-eagerly) and returns the gradients of the call's inputs to the root's compiled backward. Its
-fake kernel runs the layer's own forward on fake tensors, with fake leaves for its parameters.
+on frees it with its output). `zrs::unit_call_backward` runs that graph's backward (the unit's
+gathers before it, the gradients' reduce-scatters after it, as eagerly) and returns the
+gradients of the call's inputs to the root's compiled backward. Its fake kernel runs the
+layer's own forward on fake tensors, with fake leaves for its parameters.
 
 A layer is called this way with tensors and `None`s, by position or by keyword, and returns a
 tensor or a tuple of tensors; a call with anything else runs the layer at a graph break, which

@@ -35,8 +35,10 @@ Systems:
   zrs_eager        zrs.shard(model, param_dtype=bf16, reduce_dtype=fp32): the same sharding, no
                    torch.compile (module hooks gather, prefetch and release); --zrs-* don't apply
   zrs_shard_compile
-                   the same with each layer's forward compiled by inductor, zrs.shard(model,
-                   compile=True): FSDP2 + compile's split of the work
+                   the same with each layer's forward compiled by inductor, and the root's
+                   code around the layers (embedding, head, loss), zrs.shard(model, compile=True)
+  zrs_shard_compile_layers
+                   the layers only, compile_root=False: FSDP2 + compile's split of the work
   zrs_offload      the same with offload="optimizer": fp32 masters and AdamW on the host
   zrs_offload_overlap
                    the same, its AdamW updates run during the backward (zrs.OverlappedStep)

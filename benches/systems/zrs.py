@@ -1,6 +1,7 @@
 """The zrs systems: zrs (zrs.compile), zrs_graphed (its AdamW step one CUDA graph, zrs.GraphedStep),
 zrs_captured (the whole step one CUDA graph, zrs.CapturedStep), zrs_eager (zrs.shard, no
-torch.compile), zrs_shard_compile (zrs.shard with each layer compiled), zrs_offload (the same,
+torch.compile), zrs_shard_compile (zrs.shard with each layer compiled, and the root's code
+around them), zrs_shard_compile_layers (the layers only: compile_root=False), zrs_offload (the same,
 the masters and the AdamW step on the host), zrs_offload_overlap (that step run during the
 backward, zrs.OverlappedStep) and zrs_params_overlap (that, with the bf16 shards on the host
 too: offload="params"); their builder, their piece of the registry, and the
@@ -22,11 +23,13 @@ def build_zrs(
     graphed: bool = False,
     captured: bool = False,
     compiled_layers: bool = False,
+    compile_root: bool = True,
     offload: str | None = None,
     overlap: bool = False,
 ) -> Built:
     """zrs.compile (the --zrs-* options are its), or zrs.shard: the same sharding, trained
-    eagerly by module hooks (`compiled_layers`: each layer's forward compiled by inductor). `graphed`: the optimizer step replayed as a CUDA graph
+    eagerly by module hooks (`compiled_layers`: each layer's forward compiled by inductor, and
+    with `compile_root` the root's code around them). `graphed`: the optimizer step replayed as a CUDA graph
     (zrs.GraphedStep, without clipping or the non-finite check, as the other systems step).
     `captured`: also the forward and backward, the whole step one graph (zrs.CapturedStep).
     `offload`: zrs.shard(offload=...), the AdamW step on the host (not fused there);
@@ -59,7 +62,9 @@ def build_zrs(
             dynamic=True if ctx.args.zrs_dynamic else None,
         )
     else:
-        model = zrs.shard(model, **common, compile=compiled_layers, offload=offload)
+        model = zrs.shard(
+            model, **common, compile=compiled_layers, compile_root=compile_root, offload=offload
+        )
     graphed = graphed or captured
     opt = adamw(model.parameters(), ctx, fused=True if graphed else False if offload else None)
     stepper = zrs.GraphedStep(opt, check_finite=False) if graphed else None
@@ -101,6 +106,9 @@ BUILDERS: dict[str, Callable[[Ctx], Built]] = {
     "zrs_captured": lambda ctx: build_zrs(ctx, compiled=True, captured=True),
     "zrs_eager": lambda ctx: build_zrs(ctx, compiled=False),
     "zrs_shard_compile": lambda ctx: build_zrs(ctx, compiled=False, compiled_layers=True),
+    "zrs_shard_compile_layers": lambda ctx: build_zrs(
+        ctx, compiled=False, compiled_layers=True, compile_root=False
+    ),
     "zrs_offload": lambda ctx: build_zrs(
         ctx, compiled=False, compiled_layers=True, offload="optimizer"
     ),

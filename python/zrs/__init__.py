@@ -237,6 +237,7 @@ def shard(
     max_reuse_distance: int | None = None,
     persist_numel: int | None = None,
     compile: bool | str = False,
+    compile_root: bool = True,
     offload: str | None = None,
 ) -> nn.Module:
     """Shard `model` across the process group, exactly as `zrs.compile` does, and train it
@@ -282,6 +283,12 @@ def shard(
             whole-model graph instead: a shorter step, a longer first one. Default: False
             (eager). torch.compile on a unit's module by hand works too, with its hooks run
             eagerly (a graph break at each).
+        compile_root: with `compile`, compile the root's forward around the stacks too (as
+            above). False compiles the layers only and runs the code around them eagerly, as
+            FSDP2 + compile's per-layer recipe does: a second graph less to compile before the
+            first step (about 3 s of it at the 1b and HF Llama 1.1B shapes on H200s), at the cost
+            of the head's and the loss's activations, which the root's graph fuses (1.4-2 GiB
+            more peak memory at those shapes; BENCHMARKS.md). Default: True.
         offload: "optimizer": the fp32 master shards and the optimizer state live in host
             memory (pinned beside a GPU), the GPU keeps each shard in the compute dtype, and a
             stock torch.optim.AdamW, Adam or SGD over `model.parameters()` steps on the host,
@@ -303,10 +310,12 @@ def shard(
     }
     prepare.check_limits(limits)
     compile_backend = prepare.check_compile(compile)
+    prepare.check_flag("compile_root", compile_root)
     offload = prepare.check_offload(offload)
     settings = {
         "api": "shard",
         "compile": compile_backend,
+        "compile_root": compile_root,
         "offload": offload,
         "param_dtype": param_dtype,
         "reduce_dtype": reduce_dtype,
@@ -323,7 +332,12 @@ def shard(
     checkpointing.install_hooks(model)
     integrations.adopt_conventions(model, functools.partial(full_state_dict, model), state.job_rank)
     prepare.install_units(
-        model, state, layered=True, limits=limits, compile_backend=compile_backend
+        model,
+        state,
+        layered=True,
+        limits=limits,
+        compile_backend=compile_backend,
+        compile_root=compile_root,
     )
     if compile_backend is not None:
         integrations.no_cache_in_training(model)

@@ -28,6 +28,7 @@ from _dist import cached_run, reemit_warnings
 from checks import compiled_problems, fp32_problems
 from hf_zoo import HF_ZOO
 from zoo import Case, Reference, case_outcome, run_cases, spec_of, train_reference
+from zrs._core import ZrsError
 from zrs.runtime import state as runtime
 
 pytestmark = pytest.mark.slow
@@ -39,6 +40,7 @@ CASES = {
         ("shard:inductor", "gpt_tied"),  # a tied embedding and head around the stack
         ("hand:aot_eager", "gpt_tied"),
         ("whole:aot_eager", "gpt_tied"),  # torch.compile(zrs.shard(model))
+        ("layers:aot_eager", "gpt_tied"),  # compile_root=False
     ),
     3: (("shard:aot_eager", "gpt_tied"),),
 }
@@ -164,6 +166,30 @@ def test_a_root_that_runs_the_stack_itself_compiles_around_its_layer_calls() -> 
     assert len(_RECORDED) == 2, [gm.graph for gm in _RECORDED]  # the root's and the layer's
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert losses == eager, (losses, eager)
+
+
+@pytest.mark.parametrize("model", ["gpt_tied", "hf_gpt2"])
+def test_compile_root_false_compiles_the_layers_only(model: str) -> None:
+    """compile_root=False: the layers' forward is the one graph (a root that loops calls them
+    as plain modules, an inner model that runs them is no graph break), the code around them
+    runs eagerly with units of its own, and the model trains as the eagerly run one does."""
+    spec = HF_ZOO[model] if model in HF_ZOO else spec_of(model)
+    torch._dynamo.reset()
+    _RECORDED.clear()
+    try:
+        compiled = zrs.shard(spec.build(), compile="zrs_tests_record", compile_root=False)
+        losses = _train(compiled, spec, steps=3)
+        unit_names = [u.name for u in compiled._zrs_state.fetcher.units]
+        eager = _train(zrs.shard(spec.build()), spec, steps=3)
+        with pytest.raises(ZrsError, match=r"compile_root='no': pass True or False"):
+            zrs.shard(spec.build(), compile=True, compile_root="no")
+    finally:
+        runtime.reset()
+    assert len(_RECORDED) == 1, [gm.graph for gm in _RECORDED]  # the layer's forward
+    assert not any(_is_unit_call(n) for n in _RECORDED[0].graph.nodes), _RECORDED[0].graph
+    head = "head" if model == "gpt_tied" else "lm_head"
+    assert head in unit_names, unit_names  # its own unit, hooked, not the root's
+    torch.testing.assert_close(losses, eager, rtol=1e-6, atol=0)
 
 
 def _checkpointed_gpt(around: bool) -> nn.Module:

@@ -61,7 +61,13 @@ FP32 = (
             group.WHOLE_COMPILE_MODEL,
             False,
             id=f"{group.WHOLE_COMPILE}-{group.WHOLE_COMPILE_MODEL}",
-        )
+        ),
+        pytest.param(
+            group.LAYERS_ONLY,
+            group.LAYERS_ONLY_MODEL,
+            False,
+            id=f"{group.LAYERS_ONLY}-{group.LAYERS_ONLY_MODEL}",
+        ),
     ]
 )
 

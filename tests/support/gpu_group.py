@@ -77,6 +77,8 @@ COMPILED_UNITS = "shard:inductor"
 COMPILED_UNITS_MODELS = ("gpt_tied", "frozen", "bias_stack", "hf_llama_varlen")
 # torch.compile(model) on a zrs.shard model: its hooks and forward guard run eagerly at breaks.
 WHOLE_COMPILE, WHOLE_COMPILE_MODEL = "whole:inductor", "gpt_tied"
+# zrs.shard(compile=True, compile_root=False): the looping root eager around compiled layers.
+LAYERS_ONLY, LAYERS_ONLY_MODEL = "layers:inductor", "gpt_tied"
 BF16_MODELS, BF16_BACKEND = ("mlp",), "inductor"
 # bf16 masters: a model whose inputs are token ids (a bf16 model takes no fp32 batch; the zoo's
 # float-input models would need param_dtype= to cast them), the dearest case of the group.
@@ -142,7 +144,7 @@ def fp32_cases() -> list[Case]:
     zoo = [case(m, b) for b in FP32_BACKENDS for m in ZOO]
     streams = [case(m, b, comm_streams=True) for b, m in SIDE_STREAMS]
     units = [case(m, COMPILED_UNITS) for m in COMPILED_UNITS_MODELS]
-    whole = [case(WHOLE_COMPILE_MODEL, WHOLE_COMPILE)]
+    whole = [case(WHOLE_COMPILE_MODEL, WHOLE_COMPILE), case(LAYERS_ONLY_MODEL, LAYERS_ONLY)]
     return zoo + streams + [case(m, HF_BACKEND) for m in HF_MODELS] + units + whole
 
 

@@ -424,7 +424,8 @@ class Case:
     model: str
     # zrs.compile's backend; "shard": zrs.shard; "shard:B": zrs.shard(compile=B), each layer of
     # a stack compiled by torch.compile's backend B; "hand:B": zrs.shard, then each layer's
-    # .compile(backend=B) by hand; "whole:B": zrs.shard, then torch.compile(model, backend=B)
+    # .compile(backend=B) by hand; "whole:B": zrs.shard, then torch.compile(model, backend=B);
+    # "layers:B": zrs.shard(compile=B, compile_root=False), the layers only
     backend: str
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
@@ -540,15 +541,17 @@ def _train_zrs(rank: int, case: Case, group: object) -> dict:
         kwargs["offload"] = case.offload
     with mock.patch.dict(os.environ, {"ZRS_COMM_STREAMS": "1"} if case.comm_streams else {}):
         api, _, unit_backend = case.backend.partition(":")
-        if api in ("shard", "hand", "whole"):  # the eager path: zrs.shard
+        if api in ("shard", "hand", "whole", "layers"):  # the eager path: zrs.shard
             del kwargs["backend"]
             if unit_backend:
                 # Layers' forwards share code objects across the zoo's models: a fresh dynamo
                 # cache per case keeps each case's compiles its own.
                 torch._dynamo.reset()
                 counters.clear()
-            if api == "shard" and unit_backend:
+            if api in ("shard", "layers") and unit_backend:
                 kwargs["compile"] = unit_backend
+            if api == "layers":
+                kwargs["compile_root"] = False
             compiled = zrs.shard(model, **kwargs)
             if api == "hand":
                 from zrs.prepare.sharding import repeated_blocks

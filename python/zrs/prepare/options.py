@@ -83,6 +83,12 @@ def check_compile(compile: object) -> str | None:
     )
 
 
+def check_flag(name: str, value: object) -> None:
+    """Raise unless the option `name` is True or False."""
+    if not isinstance(value, bool):
+        raise ZrsError(f"{name}={value!r}: pass True or False")
+
+
 def check_offload(offload: object) -> str | None:
     """`zrs.shard`'s `offload`: None, "optimizer" or "params" (docs/offload.md)."""
     if offload is None or offload in ("optimizer", "params"):

@@ -114,11 +114,12 @@ def install_units(
     layered: bool,
     limits: dict[str, Any],
     compile_backend: str | None = None,
+    compile_root: bool = True,
 ) -> None:
     """Give `state` its eager path and hook its units (all but the root, which the model's
     forward drives: `forward.py`). `compile_backend`: torch.compile each layer of a stack with
-    it, and the root's own code around the stacks where they run in a submodule (zrs.shard's
-    `compile`)."""
+    it (zrs.shard's `compile`), and with `compile_root` the root's own code around the stacks
+    too."""
     blocks = repeated_blocks(model) if compile_backend is not None else set()
     if compile_backend is not None and not blocks:
         _log.warning(
@@ -128,7 +129,7 @@ def install_units(
             compile_backend,
             type(model).__name__,
         )
-    runners, looped = stack_runners(model, blocks) if blocks else ((), ())
+    runners, looped = stack_runners(model, blocks) if blocks and compile_root else ((), ())
     own = runners + looped  # the subtrees whose units stay their own when the root compiles
     units = find_units(model, layered, own)
     compiled_forwards: dict[Callable[..., Any], Callable[..., Any]] = {}

@@ -138,8 +138,8 @@ RUNTIME_TIERS = [
     {"collectives"},
     # the compiled path's work: the gathered parameters, the gradients
     {"gather", "grads"},
-    # the eager path's fetcher, and its check of the recorded order
-    {"fetch", "eager_trace"},
+    # the eager path's fetcher, its all-gathers, and its check of the recorded order
+    {"fetch", "flights", "eager_trace"},
     # the entry point of the compiled graphs: every torch.ops.zrs op
     {"ops"},
 ]

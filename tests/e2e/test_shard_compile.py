@@ -390,18 +390,58 @@ def test_a_looped_layer_that_reads_a_buffer_trains_and_evaluates_as_eagerly() ->
     assert counts == [0, 3, 0], counts
 
 
-def test_two_forwards_before_one_backward_raise_through_looped_layers() -> None:
-    """A layer's calls run their backwards one at a time (each its own graph): one backward
-    through two of them would find its gradients reduced and its parameters released after the
-    first, so it says so."""
+class _TwiceStack(_ScaledStack):
+    """Each layer called twice in a row: one forward, two calls of each layer's graph."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(layer(x))
+        return self.head(x).square().mean()
+
+
+def _batch(i: int) -> torch.Tensor:
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(i))
+
+
+def _uneven_steps(model: nn.Module) -> list[torch.Tensor]:
+    """Two forwards before one backward; two forwards and a backward of the second alone,
+    whose end reduces what it held (the first's output stays alive, its graph a step old);
+    one forward and backward. SGD with momentum after each. The gradients after the second
+    and the parameters at the end; then the first's backward, which zrs.shard refuses."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    (model(_batch(0)) + model(_batch(1))).backward()
+    opt.step()
+    opt.zero_grad()
+    first, second = model(_batch(2)), model(_batch(3))
+    second.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    opt.zero_grad()
+    (model(_batch(4)) * 2).backward()
+    opt.step()
+    with pytest.raises(zrs.ZrsError, match="without a training forward before it"):
+        first.backward()
+    return grads + [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("stack", [_ScaledStack, _TwiceStack])
+def test_several_calls_of_a_looped_layer_before_a_backward_train_as_eagerly(stack) -> None:
+    """A layer's calls run their backwards one at a time (each its own graph). While another
+    call of the layer in the step has its backward to come, its parameters' gradients wait in
+    their leaves and the next call's backward adds to them: one reduce of the sum, as eagerly.
+    A backward that leaves a call of the step without its backward reduces what it held at
+    its end."""
     torch._dynamo.reset()
+    outcomes = []
     try:
-        model = zrs.shard(_ScaledStack(), compile="aot_eager")
-        first, second = model(torch.randn(4, 6)), model(torch.randn(4, 6))
-        with pytest.raises(zrs.ZrsError, match="two forwards before one backward"):
-            (first + second).backward()
+        for compile in ("aot_eager", False):
+            torch.manual_seed(0)
+            model = zrs.shard(stack(), compile=compile)
+            outcomes.append(_uneven_steps(model))
+            runtime.reset()
     finally:
         runtime.reset()
+    torch.testing.assert_close(outcomes[0], outcomes[1], rtol=1e-6, atol=1e-7)
 
 
 class _Reading(nn.Module):

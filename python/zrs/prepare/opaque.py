@@ -28,7 +28,7 @@ import contextlib
 import itertools
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -86,9 +86,13 @@ class Site:
     eager: Callable[..., Any]  # the layer's own forward: the fake kernel runs it
     shared: LayerCalls
     kind: tuple  # equal for layers whose calls with equal inputs give equal outputs
+    slots: tuple[int, ...] = ()  # its parameters' that take a gradient
     tuple_out: bool = False  # it returns a tuple (the fake kernel finds out)
     expect: tuple[tuple, list[Meta]] | None = None  # what the fake kernel promised last
-    backward_task: int = -1  # the step's backward that ran a kept graph of this layer last
+    # its calls' graphs whose backward has not run
+    pending: weakref.WeakValueDictionary[int, _Kept] = field(
+        default_factory=weakref.WeakValueDictionary
+    )
 
 
 class _Kept(bytearray):
@@ -99,16 +103,18 @@ class _Kept(bytearray):
 
     leaves: list[torch.Tensor | None] | None
     outs: list[torch.Tensor] | None
+    step: int  # the fetcher's count of ended backwards at the call
 
 
 def _token(
     site: Site, leaves: list[torch.Tensor | None] | None, outs: list[torch.Tensor] | None
 ) -> torch.Tensor:
     kept = _Kept(1)
-    kept.leaves, kept.outs = leaves, outs
+    kept.leaves, kept.outs, kept.step = leaves, outs, site.fetcher.backwards_ended
     token = torch.frombuffer(kept, dtype=torch.uint8)  # its storage holds `kept`
     if outs is not None:
         site.shared.kept[token.data_ptr()] = kept
+        site.pending[id(kept)] = kept
     return token
 
 
@@ -128,7 +134,9 @@ def install(
         tuple(_meta(fetcher.leaves[fetcher.slot_of[ds_id]]) for ds_id, _, _ in _params(module)),
         tuple((n, _meta(b)) for n, b in module.named_buffers()),
     )
-    site = Site(module, fetcher, eager, shared, kind)
+    slots = {fetcher.slot_of[ds_id] for ds_id, _, _ in _params(module)}
+    grads = tuple(sorted(slot for slot in slots if fetcher.leaves[slot].requires_grad))
+    site = Site(module, fetcher, eager, shared, kind, grads)
     _SITES[site_id] = site
     module._zrs_site = site  # keeps it alive with the module
     call_impl = module._call_impl
@@ -317,22 +325,17 @@ def _unit_call_backward(
             "by activation checkpointing around the root's loop. Run one backward per forward; "
             "checkpoint inside the layer instead"
         )
-    task = torch._C._current_graph_task_id()
-    if task == site.backward_task:
-        # Its parameters' gradients were complete, reduced and their gathered copies released
-        # when the first of the calls' graphs ran its backward.
-        raise ZrsError(
-            f"one backward ran two calls of {name} (a layer called by the root's compiled loop): "
-            "two forwards before one backward, or the layer called twice in a forward. Its "
-            "calls run their backwards one at a time, so its gradients would be complete after "
-            "the first; call backward() after each forward (for gradient accumulation, one per "
-            "micro-batch), or compile=None and torch.compile on the layers"
-        )
-    site.backward_task = task
     leaves, outs = kept.leaves, kept.outs
     kept.leaves = kept.outs = None  # one backward per forward
+    site.pending.pop(id(kept), None)
+    # Another call of the layer in this step (two forwards before one backward, or two calls
+    # in a forward) has its backward to come, as a graph of its own: the parameters' gradients
+    # are complete only after the last, so they wait in their leaves for it (or for the
+    # backward's end). A graph left from an earlier step (an output kept alive) holds nothing.
+    step = fetcher.backwards_ended
+    held = site.slots if any(k.step == step for k in site.pending.values()) else ()
     pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None and o.requires_grad]
-    with fetcher.nested_backward(), _autograd_on():
+    with fetcher.nested_backward(), fetcher.holding(held), _autograd_on():
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
     return [

@@ -21,27 +21,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
 from zrs._core import Coordinator
 from zrs.runtime import eager_trace, grads
-from zrs.runtime.collectives import all_gather
-from zrs.runtime.handles import ParamHandle, names
+from zrs.runtime.flights import Flight, finish, start
+from zrs.runtime.handles import ParamHandle
 from zrs.runtime.state import ZeroState
-
-
-@dataclass(eq=False)
-class Flight:
-    """One all-gather in flight: a parameter straight into its storage, or several packed
-    rank-major into `recv` (`fused`), unpacked into theirs at the wait."""
-
-    work: dist.Work | None
-    send: torch.Tensor  # kept alive until the collective completes
-    recv: torch.Tensor
-    slots: list[int]
-    offsets: list[int]  # each member's offset inside a rank block (fused)
-    fused: bool
 
 
 @dataclass(frozen=True)
@@ -97,6 +83,12 @@ class Fetcher:
         self.training = False
         self.agreed = False  # the first complete trace was compared across the ranks
         self.nesting = 0  # such a backward runs: its own graph task is not the step's
+        # A layer's calls in a compiled root's graph run their backwards one at a time
+        # (prepare/opaque.py): while another call's is still to come, its parameters' gradients
+        # are held in their leaves (`held`), and summed there by the next (`stashed`).
+        self.held: set[int] = set()
+        self.stashed: set[int] = set()
+        self.backwards_ended = 0
         self.fake_like: torch.Tensor | None = None  # a fake kernel runs: its leaves' mode
         self.fakes: dict[int, torch.Tensor] = {}  # and the leaves it read
 
@@ -183,6 +175,17 @@ class Fetcher:
         finally:
             self.nesting -= 1
 
+    @contextlib.contextmanager
+    def holding(self, slots: Sequence[int]) -> Iterator[None]:
+        """Autograd's gradients of `slots` stay in their leaves inside the block, to be summed
+        with a later backward's (the step's end reduces what no later one took)."""
+        held = set(slots) - self.held
+        self.held |= held
+        try:
+            yield
+        finally:
+            self.held -= held
+
     def gather_now(self, slots: list[int]) -> None:
         """Gather those of `slots` that are not ready (a compiled forward reads them all)."""
         for slot in slots:
@@ -191,6 +194,10 @@ class Fetcher:
 
     def grad_ready(self, slot: int) -> None:
         """Autograd summed the leaf's gradient over every use: reduce it, release the leaf."""
+        if slot in self.held:
+            self.stashed.add(slot)
+            return
+        self.stashed.discard(slot)
         leaf = self.leaves[slot]
         grad, leaf.grad = leaf.grad, None
         release, bucket_numel = self.coordinator.grad_ready(slot)
@@ -231,6 +238,10 @@ class Fetcher:
         self._free(self.coordinator.reset())
 
     def _clear(self) -> None:
+        for slot in self.stashed:
+            self.leaves[slot].grad = None
+        self.stashed.clear()
+        self.held.clear()
         self.pending.clear()
         self.pending_numel = 0
         self.depth = 0
@@ -289,8 +300,11 @@ class Fetcher:
     def end_backward(self) -> None:
         # This final callback runs before grads.finish_grads' (queued at the first pack), or
         # queues it with the first pack: autograd runs callbacks that callbacks queue.
+        for slot in sorted(self.stashed):  # held for a layer call whose backward did not run
+            self.grad_ready(slot)
         self.pack_grads()
         self.backward_task = -1
+        self.backwards_ended += 1
         self.open = False
         released, recorded = self.coordinator.end_backward()
         self._free(released)
@@ -333,53 +347,16 @@ class Fetcher:
         by_dtype: dict[torch.dtype, list[int]] = {}
         for slot in slots:
             by_dtype.setdefault(self.raws[slot].dtype, []).append(slot)
-        flights = (self._gather_one_dtype(group) for group in by_dtype.values())
+        flights = (
+            start(self.state, [self.handles[s] for s in group], self.raws, group)
+            for group in by_dtype.values()
+        )
         return [f for f in flights if f is not None]
-
-    def _gather_one_dtype(self, slots: list[int]) -> Flight | None:
-        state = self.state
-        hs = [self.handles[s] for s in slots]
-        raws = [self.raws[s] for s in slots]
-        for raw in raws:
-            raw.untyped_storage().resize_(raw.numel() * raw.element_size())
-        if state.offload is not None:
-            state.offload.refresh(hs)
-            state.offload.stage(hs)  # unstaged once the gather has read them (_complete)
-        shards = [h.source.detach() for h in hs]
-        if state.world_size == 1:
-            with torch.no_grad():
-                torch._foreach_copy_(raws, shards)
-            if state.offload is not None:
-                state.offload.unstage(hs)
-            return None
-        dtype = raws[0].dtype
-        if len(hs) == 1:
-            send = shards[0].to(dtype)
-            work = all_gather(raws[0], send, state.gather_group, async_op=True)
-            return Flight(work, send, raws[0], slots, [0], fused=False)
-        offsets = list(itertools.accumulate((h.shard_numel for h in hs), initial=0))
-        send = torch.empty(offsets[-1], dtype=dtype, device=raws[0].device)
-        torch.ops.zrs.pack_cast(shards, send)
-        recv = torch.empty(offsets[-1] * state.world_size, dtype=dtype, device=send.device)
-        work = all_gather(recv, send, state.gather_group, async_op=True)
-        return Flight(work, send, recv, slots, offsets[:-1], fused=True)
 
     def _complete(self, flight: Flight) -> None:
         for slot in flight.slots:
             self.flights.pop(slot, None)
-        hs = [self.handles[s] for s in flight.slots]
-        self.state.wait(flight.work, lambda: f"the all-gather of {names(hs)} (eager)")
-        if self.state.offload is not None:
-            self.state.offload.unstage(hs)
-        if flight.fused:
-            with torch.no_grad():
-                torch.ops.zrs.unpack_rank_major(
-                    flight.recv,
-                    self.state.world_size,
-                    flight.offsets,
-                    [h.shard_numel for h in hs],
-                    [self.raws[s] for s in flight.slots],
-                )
+        finish(self.state, flight, [self.handles[s] for s in flight.slots], self.raws)
 
     def _free(self, slots: list[int]) -> None:
         for slot in slots:

@@ -271,15 +271,17 @@ def _unit_call_fake(inputs, anchor, needs_grad, grad, site_id, kwnames):
             out = site.eager(*args, **kwargs)
         outs = _outputs(site, out)
         if key is None:
-            return [
-                *(torch.empty_like(o) for o in outs),
-                like.new_empty(1, dtype=torch.uint8, device="cpu"),
-            ]
+            return [*(torch.empty_like(o) for o in outs), _fake_token(like)]
         known = site.shared.outputs[key] = ([_meta(o) for o in outs], site.tuple_out)
     metas, site.tuple_out = known
     site.expect = (key, metas)
     outs = [like.new_empty_strided(shape, stride, dtype=dtype) for shape, stride, dtype in metas]
-    return [*outs, like.new_empty(1, dtype=torch.uint8, device="cpu")]
+    return [*outs, _fake_token(like)]
+
+
+def _fake_token(like: torch.Tensor) -> torch.Tensor:
+    """The token's fake: one byte on the CPU, in `like`'s fake mode."""
+    return like.new_empty(1, dtype=torch.uint8, device="cpu")
 
 
 @contextlib.contextmanager

@@ -1,15 +1,16 @@
 """zrs.shard(compile=...) trains as the unsharded model does (gloo ranks, SGD with momentum): the
 tied GPT of the own zoo, the only one with a stack of layers, at world sizes 1, 2 and 3 on
 AOTAutograd's backend, and at two ranks with inductor, with its layers compiled by hand
-(`layer.compile()`, whose hooks break the graph and run eagerly), and with the whole model
-under `torch.compile`; dynamo never traces zrs's runtime (its hooks and the model's forward
+(`layer.compile()`, whose hooks break the graph and run eagerly), with the whole model
+under `torch.compile`, and with the layers alone compiled (`compile_root=False`); dynamo never traces zrs's runtime (its hooks and the model's forward
 guard are `torch.compiler.disable`d). Inductor's generated code
 reads the layers' gathered parameters as graph inputs whose storage the eager path frees and
 refills between the forward and the backward. test_hf_models.py runs three Hugging Face models
 with compiled layers at two ranks; the GPU suite runs four cases with inductor on NCCL, a
-Hugging Face Llama among them. In one process below: the root's code around a stack that a
-submodule runs (a Hugging Face model's head and loss) compiles too, and a training call builds
-no KV cache that would recompile each layer.
+Hugging Face Llama among them, and the layers alone. In one process below: the root's code
+around a stack that a submodule runs (a Hugging Face model's head and loss) compiles too, a
+training call builds no KV cache that would recompile each layer, and several calls of a
+looped layer before one backward train as eagerly.
 """
 
 from __future__ import annotations

@@ -4,9 +4,14 @@
         --out benches/results/compile_time.jsonl
     python benches/compile_time.py --table benches/results/compile_time.jsonl
 
+    python benches/compile_time.py --preset 1b --worlds 2 --states cold --rounds 3 \\
+        --systems zrs_shard_compile,zrs_shard_compile_layers,fsdp2_compile --deadline 500
+
 Each (system, world) trains `--steps` steps with `benches/step.py` under torchrun twice, with one
 inductor/Triton/extensions cache folder: emptied first (cold: a fresh machine), then as the
-first run left it (warm: a restart on the same machine). Each run's record (step.py's own line,
+first run left it (warm: a restart on the same machine); `--rounds` repeats them all, the
+systems' order turned each round, and `--deadline` starts no run past that many seconds (a
+device call's limit). Each run's record (step.py's own line,
 kept whole under "record") is summarised into the phases below, in seconds, rank 0's:
 
   first_step     the first trained step: model build to the end of its optimizer step
@@ -38,6 +43,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -128,27 +134,44 @@ def _run(system: str, world: int, cache: Path, args: argparse.Namespace) -> dict
     return {"record": lines[-1], "command": shown}
 
 
+def runs(systems: list[str], worlds: list[int], states: list[str], rounds: int) -> list[tuple]:
+    """(round, system, world, state) in the order they run: each round all of them, its
+    systems turned by one against the round before (the machine's state drifts over a call: a
+    system that always ran first would always meet it first), each (system, world)'s states
+    one after the other (a warm run reuses the cold one's caches)."""
+    order = []
+    for r in range(rounds):
+        turn = r % len(systems)
+        for system in systems[turn:] + systems[:turn]:
+            order += [(r, system, world, state) for world in worlds for state in states]
+    return order
+
+
 def measure(args: argparse.Namespace) -> list[dict]:
     rows = []
-    for system in args.systems.split(","):
-        for world in map(int, args.worlds.split(",")):
-            cache = Path(args.cache_root) / f"{args.preset}_{system}_{world}"
-            for state in args.states.split(","):
-                if state == "cold":
-                    shutil.rmtree(cache, ignore_errors=True)
-                run = _run(system, world, cache, args)
-                row = {"system": system, "preset": args.preset, "world": world, "cache": state}
-                row["compile_threads"] = args.compile_threads
-                if "record" in run:
-                    rec = run["record"]
-                    row |= breakdown(rec) | {"step_ms_med": rec.get("step_ms_med")}
-                    row |= {"peak_GiB": rec.get("peak_GiB"), "device": rec.get("device")}
-                row |= run
-                print(json.dumps({k: v for k, v in row.items() if k != "record"}), flush=True)
-                rows.append(row)
-                if args.out:
-                    with open(args.out, "a") as f:
-                        f.write(json.dumps(row) + "\n")
+    start = time.monotonic()
+    worlds = [int(w) for w in args.worlds.split(",")]
+    planned = runs(args.systems.split(","), worlds, args.states.split(","), args.rounds)
+    for r, system, world, state in planned:
+        if args.deadline and time.monotonic() - start > args.deadline:
+            print(f"not run (--deadline {args.deadline:g} s): {system} world {world} {state}")
+            continue
+        cache = Path(args.cache_root) / f"{args.preset}_{system}_{world}"
+        if state == "cold":
+            shutil.rmtree(cache, ignore_errors=True)
+        run = _run(system, world, cache, args)
+        row = {"system": system, "preset": args.preset, "world": world, "cache": state, "round": r}
+        row["compile_threads"] = args.compile_threads
+        if "record" in run:
+            rec = run["record"]
+            row |= breakdown(rec) | {"step_ms_med": rec.get("step_ms_med")}
+            row |= {"peak_GiB": rec.get("peak_GiB"), "device": rec.get("device")}
+        row |= run
+        print(json.dumps({k: v for k, v in row.items() if k != "record"}), flush=True)
+        rows.append(row)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
     return rows
 
 
@@ -197,6 +220,12 @@ def main(argv: list[str] | None = None) -> None:
         default="torch",
         help="inductor's compile workers per rank: torch (its default), split (the host's "
         "cores divided among the ranks) or a number",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=1, help="repeat every run, the systems' order turned each"
+    )
+    p.add_argument(
+        "--deadline", type=float, default=0.0, help="start no run after this many seconds (0: none)"
     )
     p.add_argument("--out", type=Path, help="append the JSON lines here")
     p.add_argument("--table", type=Path, help="print the Markdown table of this file and exit")

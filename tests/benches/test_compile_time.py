@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from compile_time import breakdown, compile_threads, main, table
+from compile_time import breakdown, compile_threads, main, runs, table
 
 
 def _record() -> dict:
@@ -88,3 +88,16 @@ def test_a_file_from_before_a_phase_shows_it_from_its_kept_record(tmp_path, caps
     head, _, cells = capsys.readouterr().out.splitlines()
     values = dict(zip(head.split(" | "), cells.split(" | "), strict=True))
     assert values["lowering"] == "2.5" and values["triton"] == "1.2"
+
+
+def test_rounds_turn_the_systems_and_keep_each_warm_run_after_its_cold_one() -> None:
+    order = runs(["a", "b", "c"], [1, 2], ["cold", "warm"], rounds=2)
+    assert [(r, s) for r, s, w, st in order if w == 1 and st == "cold"] == [
+        (0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a"),
+    ]  # fmt: skip
+    assert order[:4] == [
+        (0, "a", 1, "cold"),
+        (0, "a", 1, "warm"),
+        (0, "a", 2, "cold"),
+        (0, "a", 2, "warm"),
+    ]

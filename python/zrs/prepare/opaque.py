@@ -86,7 +86,7 @@ class Site:
     eager: Callable[..., Any]  # the layer's own forward: the fake kernel runs it
     shared: LayerCalls
     kind: tuple  # equal for layers whose calls with equal inputs give equal outputs
-    slots: tuple[int, ...] = ()  # its parameters' that take a gradient
+    slots: tuple[int, ...] = ()  # the slots of its parameters that take a gradient
     tuple_out: bool = False  # it returns a tuple (the fake kernel finds out)
     expect: tuple[tuple, list[Meta]] | None = None  # what the fake kernel promised last
     # its calls' graphs whose backward has not run

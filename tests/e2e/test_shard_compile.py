@@ -445,6 +445,41 @@ def test_several_calls_of_a_looped_layer_before_a_backward_train_as_eagerly(stac
     torch.testing.assert_close(outcomes[0], outcomes[1], rtol=1e-6, atol=1e-7)
 
 
+def _raising_then_clean(model: nn.Module) -> list[torch.Tensor]:
+    """Two forwards before one backward that raises after the second's layers ran theirs (a
+    hook on the first's output: the second's graph runs first), then one clean step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def fail(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a fault in the backward")
+
+    first, second = model(_batch(0)), model(_batch(1))
+    first.register_hook(fail)
+    with pytest.raises(RuntimeError, match="a fault in the backward"):
+        (first + second).backward()
+    del first, second
+    opt.zero_grad()
+    model(_batch(2)).backward()
+    opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_backward_that_raises_while_a_layer_holds_its_gradients_leaves_none() -> None:
+    """What a layer held for a call whose backward never came (the backward raised first) is
+    dropped before the next step: its gradients are the clean step's alone, as eagerly."""
+    torch._dynamo.reset()
+    outcomes = []
+    try:
+        for compile in ("aot_eager", False):
+            torch.manual_seed(0)
+            model = zrs.shard(_ScaledStack(), compile=compile)
+            outcomes.append(_raising_then_clean(model))
+            runtime.reset()
+    finally:
+        runtime.reset()
+    torch.testing.assert_close(outcomes[0], outcomes[1], rtol=1e-6, atol=1e-7)
+
+
 class _Reading(nn.Module):
     """A layer that also reads a parameter of a module outside it (held in a plain list, not
     registered): the root unit's, gathered with it."""

@@ -109,7 +109,9 @@ class Fetcher:
         """The root's forward starts (`training`: a backward may follow)."""
         if torch._C._current_graph_task_id() == -1:  # not a recompute inside the backward
             self.training = training
-            if self.pending:  # gradients of a backward that raised: never into this step's
+            # gradients of a backward that raised, waiting to be packed or held for a layer
+            # call's backward that never came: never into this step's
+            if self.pending or self.stashed:
                 self.state.recover("the previous backward stopped part-way (it raised)")
         self.open = True
         self._free(self.coordinator.begin_forward(training))

@@ -7,6 +7,8 @@ CUDA kernels (tests/gpu/test_kernels.py) are checked against these same implemen
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -229,6 +231,25 @@ def test_wait_joins_the_background_build(monkeypatch):
     threading.Timer(0.2, release.set).start()
     assert kernels.wait()  # wait() does
     assert kernels.status()[0] == "loaded"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread CPU priority is Linux's")
+def test_the_background_build_and_its_compiler_run_at_the_lowest_cpu_priority(monkeypatch):
+    seen = {}
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def build(verbose=False):
+        seen["thread"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        # a child (nvcc) inherits the priority of the thread that starts it
+        out = subprocess.run(["sh", "-c", "cut -d' ' -f19 /proc/self/stat"], capture_output=True)
+        seen["child"] = int(out.stdout)
+        return "zrs_kernels.so"
+
+    _fresh_cuda_process(monkeypatch, build)
+    kernels.build_in_background()
+    assert kernels.wait()
+    assert seen == {"thread": 19, "child": 19}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own  # untouched
 
 
 def test_disabled_by_env(monkeypatch):

@@ -21,6 +21,7 @@ in float32 (float64 if either side is float64), apply the scale there, and cast 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import sys
@@ -153,12 +154,20 @@ class Loader:
             except Exception as e:  # any failure means: fall back, and say so once
                 self.status, self.reason = "failed", f"{type(e).__name__}: {e}"
 
+    def _attempt_yielding(self) -> None:
+        """`attempt` at the lowest CPU priority: nvcc, which inherits it, must not take cores
+        from the first step's compile beside it (Linux's priority is per thread)."""
+        if sys.platform == "linux":
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        self.attempt()
+
     def build_in_background(self) -> None:
         with self.lock:
             if self.status != "unloaded" or self.builder is not None:
                 return
             self.builder = threading.Thread(
-                target=self.attempt, name="zrs-kernel-build", daemon=True
+                target=self._attempt_yielding, name="zrs-kernel-build", daemon=True
             )
             self.builder.start()
 

@@ -1,21 +1,14 @@
-"""Copy kernels behind the zrs copy ops: cast+pack (copy-in), rank-major unpack (copy-out) and
-gradient pack (pre-divide, cast, zero padding).
+"""Copy kernels behind the zrs copy ops (schemas: `zrs.runtime.ops`'s `COPY_SCHEMAS`): cast+pack
+(copy-in), rank-major unpack (copy-out) and gradient pack (pre-divide, cast, zero padding).
 
-The schemas live in `zrs.runtime.ops` (`COPY_SCHEMAS`). This module gives every op two implementations:
-
-- a torch implementation (plain tensor ops), registered on CompositeExplicitAutograd, so it serves
-  CPU tensors, and CUDA tensors whenever the CUDA kernels are not loaded;
-- the CUDA kernels in `cuda/zrs_kernels.cu` (the wheel ships them as `zrs/cuda/zrs_kernels.cu`),
-  which register themselves on the ops' CUDA dispatch key when the extension loads. It is built
-  with `torch.utils.cpp_extension` (JIT, cached in the torch extensions directory) the first time a
-  CUDA tensor reaches one of the ops, or ahead of time with `python -m zrs.runtime.kernels --build`.
-
-If the build fails (no nvcc, no ninja, no CUDA), the torch implementation stays in charge and one
-warning says why. `ZRS_NO_CUDA_KERNELS=1` skips the kernels without a warning. CPU tensors never
-trigger a build.
-
-The torch implementations are also the reference the CUDA kernels are tested against: they compute
-in float32 (float64 if either side is float64), apply the scale there, and cast once.
+Each op has a torch implementation, plain tensor ops on CompositeExplicitAutograd that serve CPU
+tensors and CUDA ones while the kernels are not loaded. It is also the kernels' reference: it
+computes in float32 (float64 if either side is), scales there and casts once. The CUDA kernels of
+`cuda/zrs_kernels.cu` (the wheel's `zrs/cuda/zrs_kernels.cu`) register on the ops' CUDA key when
+the extension loads; `torch.utils.cpp_extension` builds it (JIT, cached in the torch extensions
+folder) when a CUDA tensor first reaches an op, or ahead: `python -m zrs.runtime.kernels --build`.
+A failed build (no nvcc, ninja or CUDA) leaves the torch ops in charge and warns once;
+`ZRS_NO_CUDA_KERNELS=1` skips the kernels without a warning. CPU tensors never build.
 """
 
 from __future__ import annotations
@@ -107,9 +100,8 @@ def build(verbose: bool = False) -> str:
     return str(path)
 
 
-# A build takes ~30 s; a lock older than this was left by a build that was killed (a job torn
-# down mid-build), and cpp_extension would wait for it forever: every later process would run the
-# torch ops, its builder thread never done, and never warn.
+# A build takes ~30 s; an older lock was left by a killed build, and cpp_extension would wait for
+# it forever: every later process would run the torch ops, its builder never done, and never warn.
 STALE_LOCK_S = 600.0
 
 
@@ -155,8 +147,7 @@ class Loader:
                 self.status, self.reason = "failed", f"{type(e).__name__}: {e}"
 
     def _attempt_yielding(self) -> None:
-        """`attempt` at the lowest CPU priority: nvcc, which inherits it, must not take cores
-        from the first step's compile beside it (Linux's priority is per thread)."""
+        """`attempt` at the lowest CPU priority, which nvcc inherits: the compile beside it first."""
         if sys.platform == "linux":
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
